@@ -1,0 +1,196 @@
+"""What the TrainingJob workflow and its activities exchange.
+
+The workflow calls activities by name (the constants below); a worker registers one
+implementation of each: EC2 or a simulated cloud for the node provider, local processes,
+Kubernetes pods or a simulation for the worker runtime. Everything here is plain data, so it
+is safe inside the workflow sandbox and survives the pydantic data converter.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Lifecycle = Literal["spot", "on-demand"]
+
+
+class Message(BaseModel):
+    """Payloads crossing the Temporal boundary: strict on input so typos fail loudly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- signal and update payloads (the public interface other tools use) -----------------------
+
+
+class ReclaimNotice(Message):
+    """Signal `reclaim`: the cloud will take `node_id` at `deadline` (None: now/unknown)."""
+
+    node_id: str
+    deadline: datetime | None = None
+    event_id: str | None = None
+
+
+class NodeLost(Message):
+    """Signal `node_lost`: `node_id` is already gone (terminated, crashed, unreachable)."""
+
+    node_id: str
+    event_id: str | None = None
+
+
+class ScaleOut(Message):
+    count: int = Field(ge=1)
+
+
+class ScaleIn(Message):
+    """Remove `count` nodes (highest rank first) or exactly the named `node_ids`."""
+
+    count: int | None = Field(None, ge=1)
+    node_ids: list[str] | None = None
+
+
+class Empty(Message):
+    """Payload of `pause` and `resume`."""
+
+
+# --- node provider ---------------------------------------------------------------------------
+
+
+class Offer(Message):
+    """A (type, zone) spot pool that can serve now, and what it costs."""
+
+    instance_type: str
+    zone: str
+    price: float
+    score: float | None = Field(None, description="spot placement score when the API has one")
+
+
+class LaunchRequest(Message):
+    """One node for one slot. (job, slot, attempt) makes the launch idempotent."""
+
+    job: str
+    slot: int
+    attempt: int
+    generation: int
+    lifecycle: Lifecycle
+    instance_type: str
+    zone: str | None = None
+    max_price: float | None = None
+    region: str = "us-east-1"
+
+
+class NodeInfo(Message):
+    """A node as the provider sees it."""
+
+    node_id: str
+    slot: int
+    lifecycle: Lifecycle
+    instance_type: str
+    zone: str
+    state: Literal["requested", "ready", "gone"]
+    reason: str | None = Field(None, description="why gone: 'reclaimed', 'terminated', ...")
+    address: str = Field("127.0.0.1", description="where its workers are reachable")
+
+
+class DescribeRequest(Message):
+    job: str
+    node_ids: list[str]
+    region: str = "us-east-1"
+
+
+class ReleaseRequest(Message):
+    job: str
+    node_ids: list[str]
+    region: str = "us-east-1"
+
+
+# --- worker runtime --------------------------------------------------------------------------
+
+
+class Member(Message):
+    """One node of a generation, in rank order."""
+
+    node_id: str
+    address: str
+    procs: int = 1
+
+
+class GenerationPlan(Message):
+    """A fixed membership: everything a runtime needs to start (or find) its workers."""
+
+    job: str
+    generation: int
+    members: list[Member]
+    command: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    image: str | None = None
+    job_type: str = "pytorch"
+    checkpoint: str
+    scale_config: dict[str, Any] = Field(default_factory=dict)
+    global_batch_size: int | None = None
+    total_steps: int
+    gpus_per_proc: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.procs for m in self.members)
+
+
+class StopRequest(Message):
+    """Stop a generation. `graceful`: raise the elastic event and wait for acks first."""
+
+    job: str
+    generation: int
+    world_size: int
+    checkpoint: str
+    graceful: bool
+    grace_s: float
+    lost_node_ids: list[str] = Field(default_factory=list)
+
+
+class StopResult(Message):
+    acked_ranks: list[int]
+    checkpoint_step: int | None = Field(None, description="latest complete checkpoint")
+    forced: bool = Field(False, description="some rank had to be killed")
+
+
+class WatchRequest(Message):
+    job: str
+    generation: int
+    world_size: int
+    checkpoint: str
+    report_after_s: float = Field(description="return with progress at least this often")
+
+
+class WatchResult(Message):
+    """Why a watch returned: it is time to report progress, every rank exited 0 after the
+    completion marker (`completed`), or some rank exited otherwise or vanished (`failed`)."""
+
+    outcome: Literal["progress", "completed", "failed"]
+    step: int | None = None
+    checkpoint_step: int | None = None
+    exit_codes: dict[int, int] = Field(default_factory=dict, description="rank -> code")
+    detail: str = ""
+
+
+class CleanupRequest(Message):
+    job: str
+    keep: bool = Field(False, description="keep pods/logs for debugging (failed jobs)")
+
+
+# --- activity names: one obvious place ------------------------------------------------------
+
+FIND_OFFERS = "find_offers"
+LAUNCH_NODE = "launch_node"
+DESCRIBE_NODES = "describe_nodes"
+RELEASE_NODES = "release_nodes"
+START_GENERATION = "start_generation"
+STOP_GENERATION = "stop_generation"
+WATCH_GENERATION = "watch_generation"
+CLEANUP_JOB = "cleanup_job"
+
+# Typed, non-retryable errors activities raise and the workflow acts on.
+CAPACITY_ERROR = "CapacityError"  # this pool cannot serve now: try the next, then on-demand
+CONFIG_ERROR = "ConfigError"  # bad credentials, unknown instance type: fail the job clearly

@@ -1,0 +1,190 @@
+"""The job spec: the contract users write as YAML or JSON.
+
+One pydantic model validates everything before a single node is ordered, with error messages
+that name the offending field. The same JSON object is the `TrainingJob` workflow's input, so
+`temporal workflow start --input-file job.json` and `spotrain submit job.yaml` agree.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?$"
+
+PositiveSeconds = Annotated[float, Field(gt=0)]
+NonNegativeSeconds = Annotated[float, Field(ge=0)]
+
+
+class Strict(BaseModel):
+    """Unknown fields are typos, not extensions: reject them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class InstanceType(Strict):
+    name: str = Field(min_length=1, description="EC2 instance type, e.g. p3.2xlarge")
+    gpus: int = Field(0, ge=0, description="GPUs on one node of this type")
+    on_demand_price: float = Field(gt=0, description="USD per hour on demand")
+    spot_price: float | None = Field(
+        None, gt=0, description="expected USD per hour on spot, for cost accounting"
+    )
+
+
+class SpotPolicy(Strict):
+    """Where spot nodes may come from and what they may cost."""
+
+    instance_types: list[InstanceType] = Field(min_length=1)
+    region: str = "us-east-1"
+    zones: list[str] = Field(default_factory=list, description="empty: any zone of the region")
+    max_price: float | None = Field(None, gt=0, description="USD per hour; default on-demand")
+    enabled: bool = Field(True, description="false: run on on-demand nodes only")
+
+
+class OnDemandPolicy(Strict):
+    """When spot is short: whether to fall back to on-demand nodes, and how far."""
+
+    fallback: bool = True
+    max_nodes: int | None = Field(None, ge=0, description="cap on on-demand nodes; None: no cap")
+    return_to_spot: bool = Field(True, description="swap fallback nodes back when spot returns")
+    base_nodes: int = Field(0, ge=0, description="on-demand nodes never reclaimed (the base)")
+
+
+class ElasticPolicy(Strict):
+    """Sizes the job may take and how fast it changes size."""
+
+    min_nodes: int = Field(1, ge=1)
+    max_nodes: int = Field(1, ge=1)
+    initial_nodes: int | None = Field(None, ge=1, description="default: max_nodes")
+    increment_step: int | None = Field(None, ge=1, description="sizes are min + k*step")
+    discrete_sizes: list[int] | None = Field(None, min_length=1, description="e.g. [2, 4, 8]")
+    graceful_shutdown_timeout_s: PositiveSeconds = 60
+    scaling_timeout_s: NonNegativeSeconds = Field(30, description="debounce before growing")
+    faulty_scale_down_timeout_s: NonNegativeSeconds = Field(
+        120, description="after a fault, wait this long for a replacement before shrinking"
+    )
+    max_restarts: int = Field(5, ge=0, description="failed generations in a row before failing")
+    stall_timeout_s: PositiveSeconds = Field(600, description="no progress this long is a fault")
+    reclaim_policy: Literal["drop", "replace"] = Field(
+        "replace", description="drop the lost worker, or order a replacement and grow back"
+    )
+    opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
+    capacity_check_interval_s: PositiveSeconds = Field(
+        120, description="how often to look for spot capacity and reconcile node states"
+    )
+
+    @model_validator(mode="after")
+    def _sizes(self) -> ElasticPolicy:
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) > max_nodes ({self.max_nodes})")
+        if self.increment_step is not None and self.discrete_sizes is not None:
+            raise ValueError("set increment_step or discrete_sizes, not both")
+        if self.discrete_sizes is not None:
+            bad = [s for s in self.discrete_sizes if not self.min_nodes <= s <= self.max_nodes]
+            if bad:
+                raise ValueError(
+                    f"discrete_sizes {bad} outside [min_nodes, max_nodes] = "
+                    f"[{self.min_nodes}, {self.max_nodes}]"
+                )
+        if self.initial_nodes is not None and not (
+            self.min_nodes <= self.initial_nodes <= self.max_nodes
+        ):
+            raise ValueError(
+                f"initial_nodes ({self.initial_nodes}) outside [min_nodes, max_nodes] = "
+                f"[{self.min_nodes}, {self.max_nodes}]"
+            )
+        return self
+
+
+class JobSpec(Strict):
+    """One training job. `name` is also its Temporal workflow id."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="DNS label: a-z, 0-9, '-'; max 50")
+    type: Literal["pytorch", "horovod", "command"] = "pytorch"
+    image: str | None = Field(None, description="container image (Kubernetes runtime)")
+    command: list[str] = Field(min_length=1, description="argv of each node's worker")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="plain settings only: secrets belong in the runtime"
+    )
+    procs_per_node: int = Field(1, ge=1)
+    gpus_per_node: int | None = Field(None, ge=0)
+    total_gpus: int | None = Field(None, ge=1, description="packed onto instance shapes")
+    total_steps: int = Field(gt=0, description="the job is done when this many steps are done")
+    global_batch_size: int | None = Field(None, ge=1)
+    scale_config: dict[int, dict[str, Any]] = Field(
+        default_factory=dict, description="per-world-size overrides passed to workers"
+    )
+    elastic: ElasticPolicy = Field(default_factory=ElasticPolicy)
+    spot: SpotPolicy
+    on_demand: OnDemandPolicy = Field(default_factory=OnDemandPolicy)
+    checkpoint: str = Field(description="s3://bucket/prefix or file:///path")
+    cleanup: Literal["always", "keep_failed", "never"] = "keep_failed"
+    priority: int = Field(0, description="higher runs first when capacity is short")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if not re.match(r"^(s3://[^/]+(/.*)?|file:///.+)$", self.checkpoint):
+            raise ValueError(
+                f"checkpoint {self.checkpoint!r} must be s3://bucket/prefix or file:///path"
+            )
+        if self.gpus_per_node is not None and self.total_gpus is not None:
+            raise ValueError("set gpus_per_node or total_gpus, not both")
+        shapes = [t.gpus for t in self.spot.instance_types]
+        if self.gpus_per_node and max(shapes) < self.gpus_per_node:
+            raise ValueError(
+                f"gpus_per_node ({self.gpus_per_node}) exceeds every instance type's GPUs "
+                f"({shapes})"
+            )
+        if self.total_gpus is not None and max(shapes) == 0:
+            raise ValueError("total_gpus needs instance types with GPUs")
+        if self.on_demand.base_nodes > self.elastic.max_nodes:
+            raise ValueError(
+                f"on_demand.base_nodes ({self.on_demand.base_nodes}) > elastic.max_nodes "
+                f"({self.elastic.max_nodes})"
+            )
+        if (
+            self.on_demand.max_nodes is not None
+            and self.on_demand.base_nodes > self.on_demand.max_nodes
+        ):
+            raise ValueError("on_demand.base_nodes exceeds on_demand.max_nodes")
+        if not self.spot.enabled and not (self.on_demand.fallback or self.on_demand.base_nodes):
+            raise ValueError("spot.enabled is false and on-demand fallback is off: no nodes")
+        max_world = self.elastic.max_nodes * self.procs_per_node
+        if self.global_batch_size is not None and self.global_batch_size < max_world:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) is smaller than the largest "
+                f"world size ({max_world}): some rank would get an empty batch"
+            )
+        return self
+
+    def instance_type(self, name: str) -> InstanceType:
+        for t in self.spot.instance_types:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+class SpecError(ValueError):
+    """A job spec that does not validate; the message lists every bad field."""
+
+
+def describe_errors(err: ValidationError) -> str:
+    """Field-named, one line per problem: `elastic.min_nodes: ...`."""
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(spec)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}")
+    return "invalid job spec:\n  " + "\n  ".join(lines)
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a decoded YAML/JSON object; raise SpecError with every problem named."""
+    if not isinstance(data, dict):
+        raise SpecError(f"invalid job spec: expected a mapping, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(describe_errors(err)) from None
