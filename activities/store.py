@@ -126,7 +126,9 @@ class JobStore:
         return f"gen-{generation:05d}"
 
     def write_ack(self, generation: int, rank: int, step: int, time: float) -> None:
-        self.store.put_json(f"{self._gen(generation)}/ack/{rank}.json", {"step": step, "time": time})
+        self.store.put_json(
+            f"{self._gen(generation)}/ack/{rank}.json", {"step": step, "time": time}
+        )
 
     def acked_ranks(self, generation: int) -> list[int]:
         keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
