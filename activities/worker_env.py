@@ -1,0 +1,60 @@
+"""The worker contract's environment, identical for local processes and Kubernetes pods.
+
+torchrun-compatible variables plus spotrain's own, so a training script (through
+`spotrain.workers.elastic`) knows its job, generation, checkpoint store, control file,
+scale_config and its share of an uneven global batch.
+"""
+
+from __future__ import annotations
+
+import json
+
+from spotrain.workflows.contract import GenerationPlan
+from spotrain.workflows.planner import local_batch_size
+
+JOB = "SPOTRAIN_JOB"
+GENERATION = "SPOTRAIN_GENERATION"
+NODE_ID = "SPOTRAIN_NODE_ID"
+CHECKPOINT = "SPOTRAIN_CHECKPOINT"
+CONTROL_FILE = "SPOTRAIN_CONTROL_FILE"
+SCALE_CONFIG = "SPOTRAIN_SCALE_CONFIG"
+TOTAL_STEPS = "SPOTRAIN_TOTAL_STEPS"
+GLOBAL_BATCH_SIZE = "SPOTRAIN_GLOBAL_BATCH_SIZE"
+LOCAL_BATCH_SIZE = "SPOTRAIN_LOCAL_BATCH_SIZE"
+
+
+def rank_env(
+    plan: GenerationPlan,
+    node_index: int,
+    local_rank: int,
+    *,
+    master_port: int,
+    control_file: str,
+) -> dict[str, str]:
+    """Environment of one process: `local_rank` of the node at `node_index` in rank order."""
+    member = plan.members[node_index]
+    rank = sum(m.procs for m in plan.members[:node_index]) + local_rank
+    env = dict(plan.env)
+    env.update(
+        {
+            "WORLD_SIZE": str(plan.world_size),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(member.procs),
+            "NODE_RANK": str(node_index),
+            "GROUP_RANK": str(node_index),
+            "MASTER_ADDR": plan.members[0].address,
+            "MASTER_PORT": str(master_port),
+            JOB: plan.job,
+            GENERATION: str(plan.generation),
+            NODE_ID: member.node_id,
+            CHECKPOINT: plan.checkpoint,
+            CONTROL_FILE: control_file,
+            SCALE_CONFIG: json.dumps(plan.scale_config, sort_keys=True),
+            TOTAL_STEPS: str(plan.total_steps),
+        }
+    )
+    if plan.global_batch_size is not None:
+        env[GLOBAL_BATCH_SIZE] = str(plan.global_batch_size)
+        env[LOCAL_BATCH_SIZE] = str(local_batch_size(plan.global_batch_size, plan.world_size, rank))
+    return env
