@@ -31,6 +31,10 @@ class ReclaimNotice(Message):
     node_id: str
     deadline: datetime | None = None
     event_id: str | None = None
+    kind: Literal["interruption", "rebalance"] = Field(
+        "interruption",
+        description="rebalance: an early warning the job acts on only if its policy says so",
+    )
 
 
 class NodeLost(Message):

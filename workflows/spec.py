@@ -70,6 +70,9 @@ class ElasticPolicy(Strict):
     reclaim_policy: Literal["drop", "replace"] = Field(
         "replace", description="drop the lost worker, or order a replacement and grow back"
     )
+    act_on_rebalance: bool = Field(
+        False, description="treat an EC2 rebalance recommendation as a reclaim notice"
+    )
     opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
     capacity_check_interval_s: PositiveSeconds = Field(
         120, description="how often to look for spot capacity and reconcile node states"
