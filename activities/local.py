@@ -1,0 +1,342 @@
+"""The local worker runtime: each rank of a generation is a process on this machine.
+
+State lives in files under `root`, so a controller that crashes (or a fresh LocalRuntime on
+the same root) finds everything again:
+
+    jobs/<job>/gen-<g>/rank-<r>.pid     {"pid", "start", "node_id"}  start: /proc/<pid>/stat
+    jobs/<job>/gen-<g>/rank-<r>.exit    {"code", "time"}             written by rank_launcher
+    jobs/<job>/gen-<g>/rank-<r>.log     the rank's stdout and stderr
+    jobs/<job>/gen-<g>/master_port      chosen once per generation
+    jobs/<job>/gen-<g>/control          non-empty: the elastic event
+
+Each rank runs under `workers/rank_launcher.py` in a session of its own (the process group
+id is the launcher's pid): it outlives the controller and its exit code is recorded anyway.
+A pid alone could be recycled; a pid with its kernel start time cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from temporalio import activity
+
+from spotrain.activities import worker_env
+from spotrain.activities.store import JobStore
+from spotrain.workflows import contract
+from spotrain.workflows.contract import (
+    CleanupRequest,
+    GenerationPlan,
+    StopRequest,
+    StopResult,
+    WatchRequest,
+    WatchResult,
+)
+
+LAUNCHER = Path(__file__).resolve().parent.parent / "workers" / "rank_launcher.py"
+POLL_S = 0.25
+ELASTIC_EVENT = "checkpoint-and-stop\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """Kernel start time (clock ticks since boot) of a live, non-zombie process, else None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+    state, start = fields[0], int(fields[19])
+    return None if state in ("Z", "X") else start
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reap(pid: int) -> None:
+    """Collect our own exited child so it does not linger as a zombie; others are not ours."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank's files, and its process as recorded when it was started."""
+
+    rank: int
+    dir: Path
+
+    @property
+    def pid_file(self) -> Path:
+        return self.dir / f"rank-{self.rank}.pid"
+
+    @property
+    def exit_file(self) -> Path:
+        return self.dir / f"rank-{self.rank}.exit"
+
+    @property
+    def log_file(self) -> Path:
+        return self.dir / f"rank-{self.rank}.log"
+
+    def record(self) -> dict[str, Any] | None:
+        return _read_json(self.pid_file)
+
+    def live_pid(self) -> int | None:
+        """Its launcher's pid if still running: same pid AND same start time (not recycled)."""
+        rec = self.record()
+        if rec is None:
+            return None
+        _reap(rec["pid"])
+        return rec["pid"] if _proc_start_time(rec["pid"]) == rec["start"] else None
+
+    def alive(self) -> bool:
+        return self.live_pid() is not None
+
+    def exit_code(self) -> int | None:
+        rec = _read_json(self.exit_file)
+        return None if rec is None else rec["code"]
+
+    def signal(self, signum: int, group: bool) -> bool:
+        """Signal the launcher (which forwards) or its whole process group; False if gone."""
+        pid = self.live_pid()
+        if pid is None:
+            return False
+        try:
+            os.killpg(pid, signum) if group else os.kill(pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+class LocalRuntime:
+    """Worker-runtime activities (contract names) over local processes, state under `root`."""
+
+    def __init__(self, root: Path, term_grace_s: float = 5.0) -> None:
+        self.root = Path(root)
+        self.term_grace_s = term_grace_s  # SIGTERM -> SIGKILL
+
+    # --- paths ---------------------------------------------------------------------------
+
+    def job_dir(self, job: str) -> Path:
+        return self.root / "jobs" / job
+
+    def gen_dir(self, job: str, generation: int) -> Path:
+        return self.job_dir(job) / f"gen-{generation}"
+
+    def control_file(self, job: str, generation: int) -> Path:
+        return self.gen_dir(job, generation) / "control"
+
+    def log_path(self, job: str, rank: int = 0, generation: int | None = None) -> Path:
+        """The log of `spotrain logs NAME --rank R --generation G` (default: the latest)."""
+        if generation is None:
+            generation = max(self._generations(job), default=0)
+        return Rank(rank, self.gen_dir(job, generation)).log_file
+
+    def _generations(self, job: str) -> list[int]:
+        base = self.job_dir(job)
+        if not base.is_dir():
+            return []
+        return sorted(int(p.name.removeprefix("gen-")) for p in base.glob("gen-*"))
+
+    def _ranks(self, job: str, generation: int) -> list[Rank]:
+        """Every rank that was started in this generation (has a pid file)."""
+        gdir = self.gen_dir(job, generation)
+        return sorted(
+            (Rank(int(p.stem.removeprefix("rank-")), gdir) for p in gdir.glob("rank-*.pid")),
+            key=lambda r: r.rank,
+        )
+
+    def _master_port(self, gdir: Path) -> int:
+        """Chosen once per generation: the first writer wins (link fails if it exists)."""
+        path = gdir / "master_port"
+        fd, tmp = tempfile.mkstemp(dir=gdir, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(str(_free_port()))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        return int(path.read_text())
+
+    # --- activities ----------------------------------------------------------------------
+
+    @activity.defn(name=contract.START_GENERATION)
+    def start_generation(self, plan: GenerationPlan) -> None:
+        """Start every rank not started yet; a repeat call (a retry) starts nothing new."""
+        gdir = self.gen_dir(plan.job, plan.generation)
+        gdir.mkdir(parents=True, exist_ok=True)
+        port = self._master_port(gdir)
+        control = str(self.control_file(plan.job, plan.generation))
+        rank = 0
+        for node_index, member in enumerate(plan.members):
+            for local_rank in range(member.procs):
+                r = Rank(rank, gdir)
+                rank += 1
+                if r.pid_file.exists():
+                    continue
+                env = worker_env.rank_env(
+                    plan, node_index, local_rank, master_port=port, control_file=control
+                )
+                self._launch(r, plan.command, env, member.node_id)
+
+    def _launch(self, r: Rank, command: list[str], env: dict[str, str], node_id: str) -> None:
+        with r.log_file.open("ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, str(LAUNCHER), str(r.exit_file), "--", *command],
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        start = _proc_start_time(proc.pid)
+        if start is None:  # exited already (e.g. bad interpreter): still record who it was
+            start = -1
+        _write_atomic(r.pid_file, json.dumps({"pid": proc.pid, "start": start, "node_id": node_id}))
+
+    @activity.defn(name=contract.STOP_GENERATION)
+    def stop_generation(self, req: StopRequest) -> StopResult:
+        """Lost nodes' ranks die at once; the rest get the elastic event and `grace_s` to
+        checkpoint, ack and exit (if graceful), then SIGTERM, then SIGKILL."""
+        ranks = self._ranks(req.job, req.generation)
+        store = JobStore(req.checkpoint)
+        lost = [r for r in ranks if (r.record() or {}).get("node_id") in req.lost_node_ids]
+        forced = self._kill(lost)
+        if req.graceful and ranks:
+            _write_atomic(self.control_file(req.job, req.generation), ELASTIC_EVENT)
+            # Ranks ack once checkpointed, then exit 0: waiting for the exits covers both.
+            self._wait(lambda: not any(r.alive() for r in ranks), req.grace_s)
+        survivors = [r for r in ranks if r.alive()]
+        if survivors and req.graceful:
+            for r in survivors:
+                r.signal(signal.SIGTERM, group=False)
+            self._wait(lambda: not any(r.alive() for r in survivors), self.term_grace_s)
+        forced = self._kill(survivors) or forced
+        latest = store.latest_checkpoint()
+        return StopResult(
+            acked_ranks=store.acked_ranks(req.generation),
+            checkpoint_step=latest["step"] if latest else None,
+            forced=forced,
+        )
+
+    @activity.defn(name=contract.WATCH_GENERATION)
+    def watch_generation(self, req: WatchRequest) -> WatchResult:
+        """Poll until a rank fails, the job completes, or it is time to report progress."""
+        ranks = [Rank(r, self.gen_dir(req.job, req.generation)) for r in range(req.world_size)]
+        store = JobStore(req.checkpoint)
+        control = self.control_file(req.job, req.generation)
+        deadline = time.monotonic() + req.report_after_s
+        while True:
+            activity.heartbeat()
+            alive = {r.rank: r.alive() for r in ranks}  # before exit codes: no false "vanished"
+            codes = {r.rank: c for r in ranks if (c := r.exit_code()) is not None}
+            done = store.done() is not None
+            event = control.exists()
+            for r in ranks:
+                code = codes.get(r.rank)
+                why = None
+                if code is None and not alive[r.rank]:
+                    known = r.pid_file.exists()
+                    why = "vanished without an exit code" if known else "was never started"
+                elif code is not None and code != 0:
+                    why = f"exited with code {code}"
+                elif code == 0 and not done and not event:
+                    why = "exited 0 without the completion marker or an elastic event"
+                if why:
+                    return WatchResult(
+                        outcome="failed", exit_codes=codes, detail=f"rank {r.rank} {why}"
+                    )
+            if done and len(codes) == len(ranks):
+                return self._result("completed", store, req.generation, codes)
+            if time.monotonic() >= deadline:
+                return self._result("progress", store, req.generation, codes)
+            time.sleep(POLL_S)
+
+    @activity.defn(name=contract.CLEANUP_JOB)
+    def cleanup_job(self, req: CleanupRequest) -> None:
+        """Kill whatever is left of the job; drop its state unless kept (logs for debugging)."""
+        for generation in self._generations(req.job):
+            self._kill(self._ranks(req.job, generation))
+        if not req.keep:
+            shutil.rmtree(self.job_dir(req.job), ignore_errors=True)
+
+    def activities(self) -> list[Callable[..., Any]]:
+        return [
+            self.start_generation,
+            self.stop_generation,
+            self.watch_generation,
+            self.cleanup_job,
+        ]
+
+    # --- for the spot simulator ----------------------------------------------------------
+
+    def kill_node(self, job: str, node_id: str) -> list[int]:
+        """The node's instance is gone, so are its processes (every generation); the ranks
+        that were still running."""
+        killed = []
+        for generation in self._generations(job):
+            for r in self._ranks(job, generation):
+                if (r.record() or {}).get("node_id") == node_id and self._kill([r]):
+                    killed.append(r.rank)
+        return killed
+
+    # --- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _result(
+        outcome: Literal["progress", "completed"],
+        store: JobStore,
+        generation: int,
+        codes: dict[int, int],
+    ) -> WatchResult:
+        progress = store.progress(generation)
+        latest = store.latest_checkpoint()
+        return WatchResult(
+            outcome=outcome,
+            step=progress["step"] if progress else None,
+            checkpoint_step=latest["step"] if latest else None,
+            exit_codes=codes,
+        )
+
+    @staticmethod
+    def _wait(until: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not until() and time.monotonic() < deadline:
+            activity.heartbeat()
+            time.sleep(POLL_S)
+
+    def _kill(self, ranks: list[Rank]) -> bool:
+        """SIGKILL each live rank's whole process group; True if any was still running."""
+        killed = [r for r in ranks if r.signal(signal.SIGKILL, group=True)]
+        self._wait(lambda: not any(r.alive() for r in killed), self.term_grace_s)
+        return bool(killed)

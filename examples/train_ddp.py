@@ -1,0 +1,158 @@
+"""A real elastic PyTorch DDP job: a small MLP learns a fixed-seed synthetic regression.
+
+Run by a spotrain runtime (it sets the torchrun-style and SPOTRAIN_* environment). Shows the
+whole worker contract:
+- gloo on CPU, NCCL when CUDA is present;
+- torch.distributed.checkpoint (DCP) every `ckpt_every` steps and on every elastic event;
+  a new generation at another world size loads it (DCP reshards);
+- a sampler keyed by the global sample position: step s consumes positions
+  [s*G, (s+1)*G) of an endless stream of per-epoch permutations, split over the ranks by the
+  uneven local batches, so no sample is repeated or skipped across resizes;
+- exit 0 after an elastic event (checkpoint, then ack), or after the done marker.
+
+scale_config keys (per world size): lr, ckpt_every. `--record DIR` appends each rank's
+consumed positions and rank 0's losses there as JSON lines (the tests check them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from spotrain.workers import elastic
+
+DATASET_SIZE = 4096
+FEATURES = 8
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    """The same data on every rank and generation: y = f(x) + noise, from a fixed seed."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(DATASET_SIZE, FEATURES, generator=g)
+    w = torch.randn(FEATURES, 1, generator=g)
+    y = x @ w + 0.5 * torch.sin(x[:, :1] * 2) + 0.05 * torch.randn(DATASET_SIZE, 1, generator=g)
+    return x, y
+
+
+def sample_indices(start: int, count: int) -> torch.Tensor:
+    """Dataset indices at global stream positions [start, start+count): epoch e is a fixed
+    permutation seeded by e, so a position always maps to the same sample."""
+    positions = torch.arange(start, start + count)
+    epochs = positions // DATASET_SIZE
+    out = torch.empty(count, dtype=torch.long)
+    for epoch in epochs.unique().tolist():
+        perm = torch.randperm(DATASET_SIZE, generator=torch.Generator().manual_seed(epoch))
+        mask = epochs == epoch
+        out[mask] = perm[positions[mask] % DATASET_SIZE]
+    return out
+
+
+def checkpoint_dir(s: elastic.Settings, step: int) -> str:
+    """DCP writes local files: under the job's file:// checkpoint location."""
+    parsed = urlparse(s.checkpoint)
+    if parsed.scheme != "file":
+        sys.exit(f"this example checkpoints to local files only, not {s.checkpoint!r}")
+    return str(Path(parsed.path) / "ckpt" / f"step-{step:07d}")
+
+
+def save(s: elastic.Settings, model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    """Collective save; rank 0 records it as latest only once every rank has finished."""
+    model_sd, optim_sd = get_state_dict(model, optim)
+    path = checkpoint_dir(s, step)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
+    elastic.mark_checkpoint(step, path)
+    dist.barrier()  # nobody acks a checkpoint before it is the latest
+
+
+def load(model: nn.Module, optim: torch.optim.Optimizer) -> int:
+    """Resume from the latest complete checkpoint (any world size); the step to start at."""
+    latest = elastic.latest_checkpoint()
+    if latest is None:
+        return 0
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=latest["path"])
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["step"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--record", type=Path, help="append consumed positions and losses here")
+    args = parser.parse_args()
+
+    s = elastic.settings()
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{s.local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if s.global_batch_size is None:
+        sys.exit("set global_batch_size in the job spec: ranks need their share of it")
+    batch = s.batch_slice()
+    lr = float(s.scale_config.get("lr", 0.02))
+    ckpt_every = int(s.scale_config.get("ckpt_every", 25))
+    torch.set_num_threads(1)  # a tiny model: threads only fight over the cores
+
+    torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts them)
+    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
+    optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    step = load(model, optim)
+    ddp = DistributedDataParallel(model)
+    x_all, y_all = dataset()
+    record = (
+        (args.record / f"gen-{s.generation}-rank-{s.rank}.jsonl").open("a") if args.record else None
+    )
+    print(
+        f"gen {s.generation} rank {s.rank}/{s.world_size}: step {step}, batch {batch}", flush=True
+    )
+
+    while step < s.total_steps:
+        start = step * s.global_batch_size + batch.start
+        idx = sample_indices(start, batch.stop - batch.start)
+        x, y = x_all[idx].to(device), y_all[idx].to(device)
+        sse = ((ddp(x) - y) ** 2).sum()
+        # DDP averages gradients over ranks; scaling by world/global makes it the global mean.
+        (sse * s.world_size / s.global_batch_size).backward()
+        optim.step()
+        optim.zero_grad()
+        step += 1
+        # One all-reduce: the global loss, and whether any rank saw the elastic event.
+        flags = torch.tensor([sse.item(), float(elastic.elastic_event_detected())], device=device)
+        dist.all_reduce(flags)
+        loss, event = flags[0].item() / s.global_batch_size, flags[1].item() > 0
+        if record:
+            entry = {"step": step, "start": start, "count": len(idx), "world": s.world_size}
+            record.write(json.dumps({**entry, "loss": loss} if s.is_rank0 else entry) + "\n")
+        if s.is_rank0 and step % 10 == 0:
+            print(f"step {step} loss {loss:.5f} world {s.world_size}", flush=True)
+        elastic.report_progress(step)
+        if event or step % ckpt_every == 0:
+            save(s, ddp.module, optim, step)
+        if event:
+            elastic.ack_checkpoint(step)
+            print(f"rank {s.rank}: elastic event, checkpointed step {step}, exiting", flush=True)
+            break
+    else:
+        if step % ckpt_every:  # the final state is a checkpoint too
+            save(s, ddp.module, optim, step)
+        elastic.mark_done(step)
+        dist.barrier()  # every rank exits only once the done marker is on record
+    if record:
+        record.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

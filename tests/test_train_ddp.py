@@ -1,0 +1,121 @@
+"""The example job, for real: PyTorch DDP (gloo, CPU) processes started by the local runtime,
+resized 2 -> 3 ranks through an elastic event and a DCP checkpoint, then run to completion."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from spotrain.activities.local import LocalRuntime
+from spotrain.workflows.contract import (
+    GenerationPlan,
+    Member,
+    StopRequest,
+    WatchRequest,
+    WatchResult,
+)
+
+pytest.importorskip("torch")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+TOTAL_STEPS = 600
+GLOBAL_BATCH = 50  # uneven over 3 ranks: 16, 17, 17
+
+
+def plan(tmp_path: Path, generation: int, nodes: int) -> GenerationPlan:
+    return GenerationPlan(
+        job="ddp",
+        generation=generation,
+        members=[Member(node_id=f"node-{i}", address="127.0.0.1") for i in range(nodes)],
+        command=[sys.executable, str(EXAMPLE), "--record", str(tmp_path / "record")],
+        checkpoint=f"file://{tmp_path}/store",
+        scale_config={"lr": 0.02, "ckpt_every": 50},
+        global_batch_size=GLOBAL_BATCH,
+        total_steps=TOTAL_STEPS,
+    )
+
+
+def watch(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan) -> WatchResult:
+    req = WatchRequest(
+        job=p.job,
+        generation=p.generation,
+        world_size=p.world_size,
+        checkpoint=p.checkpoint,
+        report_after_s=0.5,
+    )
+    return env.run(rt.watch_generation, req)
+
+
+def records(tmp_path: Path, generation: int) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for f in (tmp_path / "record").glob(f"gen-{generation}-rank-*.jsonl"):
+        rank = int(f.stem.rsplit("-", 1)[1])
+        out[rank] = [json.loads(line) for line in f.read_text().splitlines()]
+    return out
+
+
+def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path) -> None:
+    (tmp_path / "record").mkdir()
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    gen0 = plan(tmp_path, 0, nodes=2)
+    env.run(rt.start_generation, gen0)
+    deadline = time.monotonic() + 60
+    while (result := watch(env, rt, gen0)).outcome == "progress" and not result.step:
+        assert time.monotonic() < deadline, "generation 0 made no progress"
+    assert result.outcome == "progress", (result, rt.log_path("ddp", 0, 0).read_text())
+
+    started = time.monotonic()
+    stop = env.run(
+        rt.stop_generation,
+        StopRequest(
+            job="ddp",
+            generation=0,
+            world_size=2,
+            checkpoint=gen0.checkpoint,
+            graceful=True,
+            grace_s=30,
+        ),
+    )
+    assert stop.acked_ranks == [0, 1] and not stop.forced
+    assert time.monotonic() - started < 30
+    resized_at = stop.checkpoint_step
+    assert resized_at is not None and 10 <= resized_at < TOTAL_STEPS - 10
+
+    gen1 = plan(tmp_path, 1, nodes=3)
+    env.run(rt.start_generation, gen1)
+    deadline = time.monotonic() + 90
+    while (result := watch(env, rt, gen1)).outcome == "progress":
+        assert time.monotonic() < deadline, "generation 1 did not finish"
+    assert result.outcome == "completed", (result, rt.log_path("ddp", 0, 1).read_text())
+    assert result.exit_codes == {0: 0, 1: 0, 2: 0}
+
+    # Steps add up exactly: generation 0 did 1..resized_at, generation 1 the rest.
+    rec0, rec1 = records(tmp_path, 0), records(tmp_path, 1)
+    assert [e["step"] for e in rec0[0]] == list(range(1, resized_at + 1))
+    assert [e["step"] for e in rec1[0]] == list(range(resized_at + 1, TOTAL_STEPS + 1))
+    assert {e["world"] for e in rec1[1]} == {3}
+
+    # Every position of the sample stream consumed exactly once, across both world sizes.
+    positions = sorted(
+        p
+        for rec in (rec0, rec1)
+        for entries in rec.values()
+        for e in entries
+        for p in range(e["start"], e["start"] + e["count"])
+    )
+    assert positions == list(range(TOTAL_STEPS * GLOBAL_BATCH))
+
+    # Loss keeps falling across the resize: no reset to the initial weights.
+    losses = [e["loss"] for e in rec0[0] + rec1[0]]
+    first, before, after, last = (
+        sum(losses[i : i + 5]) / 5 for i in (0, resized_at - 5, resized_at, TOTAL_STEPS - 5)
+    )
+    assert after < 0.5 * first, (first, before, after)
+    assert after < 1.5 * before, (before, after)
+    assert last < after, (after, last)
+    assert not any(r.alive() for g in (0, 1) for r in rt._ranks("ddp", g))
