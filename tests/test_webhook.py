@@ -1,0 +1,526 @@
+"""The reclaim webhook over real HTTP on loopback, against the real Temporal dev server.
+
+The real TrainingJob workflow is written elsewhere, so a small recording workflow stands in
+for it: it upserts `SpotrainNodeIds` like the real one and records every signal it gets.
+Only SNS's certificate host cannot be reached from here: `http_get` is a stand-in that serves a
+test certificate, and the tests check it is never asked for a URL off the SNS host pattern.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import statistics
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import aiohttp
+import boto3
+import pytest
+import pytest_asyncio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.x509.oid import NameOID
+from temporalio import workflow
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from spotrain.workers.webhook import SqsPoller, WebhookConfig, WebhookService
+from spotrain.workers.webhook_auth import AuthConfig, hmac_headers, sns_string_to_sign
+from spotrain.workflows import attributes
+from spotrain.workflows.contract import NodeLost, ReclaimNotice
+
+TOKEN = "test-token-not-a-secret"
+HMAC_SECRET = "test-hmac-secret"
+TOPIC = "arn:aws:sns:us-east-1:123456789012:spotrain-reclaims"
+CERT_URL = "https://sns.us-east-1.amazonaws.com/SimpleNotificationService-0123abcd.pem"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@workflow.defn(name="RecordingJob")
+class RecordingJob:
+    """Stands in for TrainingJob: owns `node_ids` and records the signals it receives."""
+
+    def __init__(self) -> None:
+        self.signals: list[dict[str, Any]] = []
+
+    @workflow.run
+    async def run(self, node_ids: list[str]) -> None:
+        workflow.upsert_search_attributes([attributes.NODE_IDS.value_set(node_ids)])
+        await workflow.wait_condition(lambda: False)
+
+    @workflow.signal(name="reclaim")
+    def reclaim(self, notice: ReclaimNotice) -> None:
+        self.signals.append({"signal": "reclaim", **notice.model_dump(mode="json")})
+
+    @workflow.signal(name="node_lost")
+    def node_lost(self, lost: NodeLost) -> None:
+        self.signals.append({"signal": "node_lost", **lost.model_dump(mode="json")})
+
+    @workflow.query
+    def received(self) -> list[dict[str, Any]]:
+        return self.signals
+
+
+# --- fixtures and helpers shared with test_webhook_fuzz.py ----------------------------------
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class Jobs:
+    client: Client
+    task_queue: str
+
+    async def start(self, *node_ids: str) -> WorkflowHandle[Any, Any]:
+        """A running RecordingJob, once the visibility query the webhook uses finds it."""
+        handle = await self.client.start_workflow(
+            "RecordingJob", list(node_ids), id=f"rec-{uuid.uuid4()}", task_queue=self.task_queue
+        )
+        query = f"SpotrainNodeIds = '{node_ids[0]}' AND ExecutionStatus = 'Running'"
+
+        async def visible() -> bool:
+            return any([w.id == handle.id async for w in self.client.list_workflows(query)])
+
+        await eventually(visible)
+        return handle
+
+
+async def received(handle: WorkflowHandle[Any, Any]) -> list[dict[str, Any]]:
+    return await handle.query("received")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def jobs(dev_env: WorkflowEnvironment) -> AsyncIterator[Jobs]:
+    task_queue = f"webhook-{uuid.uuid4()}"
+    async with Worker(
+        dev_env.client,
+        task_queue=task_queue,
+        workflows=[RecordingJob],
+        workflow_runner=UnsandboxedWorkflowRunner(),  # a test double, no sandbox needed
+    ):
+        yield Jobs(dev_env.client, task_queue)
+
+
+@dataclass
+class FakeSnsHost:
+    """Serves the test certificate in place of sns.*.amazonaws.com; records every URL asked."""
+
+    key: rsa.RSAPrivateKey = field(
+        default_factory=lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    )
+    urls: list[str] = field(default_factory=list)
+
+    def cert_pem(self) -> bytes:
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sns.amazonaws.com")])
+        now = datetime.now(UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self.key.public_key())
+            .serial_number(1)
+            .not_valid_before(now - timedelta(days=1))
+            .not_valid_after(now + timedelta(days=1))
+            .sign(self.key, hashes.SHA256())
+        )
+        return cert.public_bytes(serialization.Encoding.PEM)
+
+    async def get(self, url: str) -> bytes:
+        self.urls.append(url)
+        return self.cert_pem() if url.endswith(".pem") else b"<ConfirmSubscriptionResponse/>"
+
+    def sign(self, message: dict[str, Any], key: rsa.RSAPrivateKey | None = None) -> bytes:
+        message = {
+            "MessageId": str(uuid.uuid4()),
+            "TopicArn": TOPIC,
+            "Timestamp": datetime.now(UTC).isoformat(),
+            "SignatureVersion": "2",
+            "SigningCertURL": CERT_URL,
+            **message,
+        }
+        signature = (key or self.key).sign(
+            sns_string_to_sign(message), padding.PKCS1v15(), hashes.SHA256()
+        )
+        message["Signature"] = base64.b64encode(signature).decode()
+        return json.dumps(message).encode()
+
+
+@dataclass
+class Webhook:
+    service: WebhookService
+    url: str
+    http: aiohttp.ClientSession
+    sns: FakeSnsHost
+
+    async def post(
+        self, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.http.post(
+            self.url + path, data=data, headers=BEARER if headers is None else headers
+        ) as resp:
+            text = await resp.text()
+            return resp.status, json.loads(text) if text.startswith("{") else {}
+
+
+@contextlib.asynccontextmanager
+async def running_webhook(client: Client, **config: Any) -> AsyncIterator[Webhook]:
+    auth = AuthConfig(
+        bearer_token=TOKEN, hmac_secret=HMAC_SECRET, sns_topic_arns=frozenset([TOPIC])
+    )
+    sns = FakeSnsHost()
+    service = WebhookService(
+        client, WebhookConfig(auth=auth, host="127.0.0.1", port=0, **config), http_get=sns.get
+    )
+    port = await service.start()
+    async with aiohttp.ClientSession() as http:
+        yield Webhook(service, f"http://127.0.0.1:{port}", http, sns)
+    await service.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def hook(dev_env: WorkflowEnvironment) -> AsyncIterator[Webhook]:
+    async with running_webhook(dev_env.client) as webhook:
+        yield webhook
+
+
+def aws_event(kind: str, instance_id: str, **detail: str) -> dict[str, Any]:
+    return {
+        "version": "0",
+        "id": str(uuid.uuid4()),
+        "detail-type": kind,
+        "source": "aws.ec2",
+        "account": "123456789012",
+        "time": "2026-01-02T03:04:05Z",
+        "region": "us-east-1",
+        "resources": [f"arn:aws:ec2:us-east-1:123456789012:instance/{instance_id}"],
+        "detail": {"instance-id": instance_id, **detail},
+    }
+
+
+INTERRUPTION = "EC2 Spot Instance Interruption Warning"
+REBALANCE = "EC2 Instance Rebalance Recommendation"
+STATE_CHANGE = "EC2 Instance State-change Notification"
+
+
+# --- every accepted kind reaches the right job exactly once ---------------------------------
+
+
+async def test_each_event_kind_signals_its_job_once(hook: Webhook, jobs: Jobs) -> None:
+    a = await jobs.start("i-0aaa1", "i-0aaa2")
+    b = await jobs.start("i-0bbb1", "ip-10-0-0-7.ec2.internal")
+    spot = aws_event(INTERRUPTION, "i-0aaa1", **{"instance-action": "terminate"})
+    rebalance = aws_event(REBALANCE, "i-0bbb1")
+    gone = aws_event(STATE_CHANGE, "i-0aaa2", state="terminated")
+    sends = [
+        ("/v1/events/aws", spot),
+        ("/v1/events/aws", rebalance),
+        ("/v1/events/aws", gone),
+        (
+            "/v1/reclaims",
+            {"instance_id": "i-0bbb1", "event_id": "cli-1", "deadline": "2026-01-02T03:10:00Z"},
+        ),
+        ("/v1/reclaims", {"instance_id": "i-0aaa1", "event_id": "cli-2", "lost": True}),
+        (
+            "/v1/events/kubernetes",
+            {"EventID": "nth-1", "Kind": "SPOT_ITN", "ProviderID": "aws:///us-east-1a/i-0aaa2"},
+        ),
+        (
+            "/v1/events/kubernetes",
+            {"event_id": "k-2", "kind": "STATE_CHANGE", "node_name": "ip-10-0-0-7.ec2.internal"},
+        ),
+    ]
+    for path, body in sends:
+        assert await hook.post(path, body) == (
+            200,
+            {"status": "signalled", "workflow_ids": [a.id if "aaa" in json.dumps(body) else b.id]},
+        )
+    # The same EventBridge event again, and through SNS: Temporal drops the repeats.
+    assert (await hook.post("/v1/events/aws", spot))[0] == 200
+    sns_copy = hook.sns.sign({"Type": "Notification", "Message": json.dumps(spot)})
+    assert (await hook.post("/v1/events/aws", sns_copy, headers={}))[0] == 200
+
+    def reclaim(node: str, event: str, deadline: str | None, kind: str = "interruption") -> dict:
+        return {"signal": "reclaim", "node_id": node, "event_id": event, "deadline": deadline,
+                "kind": kind}  # fmt: skip
+
+    expected_a = [
+        reclaim("i-0aaa1", spot["id"], "2026-01-02T03:06:05Z"),
+        {"signal": "node_lost", "node_id": "i-0aaa2", "event_id": gone["id"]},
+        {"signal": "node_lost", "node_id": "i-0aaa1", "event_id": "cli-2"},
+        reclaim("i-0aaa2", "nth-1", None),
+    ]
+    expected_b = [
+        reclaim("i-0bbb1", rebalance["id"], None, "rebalance"),
+        reclaim("i-0bbb1", "cli-1", "2026-01-02T03:10:00Z"),
+        {"signal": "node_lost", "node_id": "ip-10-0-0-7.ec2.internal", "event_id": "k-2"},
+    ]
+    await eventually(lambda: _has(a, len(expected_a)))
+    await asyncio.sleep(0.3)  # room for a wrongly duplicated signal to show up
+    assert await received(a) == expected_a
+    assert await received(b) == expected_b
+
+
+async def _has(handle: WorkflowHandle[Any, Any], count: int) -> bool:
+    return len(await received(handle)) >= count
+
+
+async def test_unknown_instances_and_kinds_are_acknowledged(hook: Webhook) -> None:
+    unknown = aws_event(INTERRUPTION, "i-0nobody")
+    assert await hook.post("/v1/events/aws", unknown) == (202, {"status": "unknown_instance"})
+    status, body = await hook.post("/v1/events/aws", aws_event("EC2 AMI State Change", "i-1"))
+    assert (status, body["status"]) == (202, "ignored")
+    running = aws_event(STATE_CHANGE, "i-0aaa1", state="running")
+    assert (await hook.post("/v1/events/aws", running))[0] == 202
+    kube = {"event_id": "k", "kind": "SCHEDULED_EVENT", "instance_id": "i-0aaa1"}
+    assert (await hook.post("/v1/events/kubernetes", kube))[0] == 202
+
+
+async def test_bad_input_gets_the_right_status(hook: Webhook) -> None:
+    assert (await hook.post("/v1/reclaims", b'{"instance_id": '))[0] == 400
+    status, body = await hook.post("/v1/reclaims", {"instance_id": "i-1"})
+    assert (status, body["field"]) == (422, "event_id")
+    status, body = await hook.post("/v1/reclaims", {"instance_id": "x' OR 1=1", "event_id": "e"})
+    assert (status, body["field"]) == (422, "instance_id")
+    status, body = await hook.post(
+        "/v1/events/aws", aws_event(INTERRUPTION, "i-1") | {"time": "soon"}
+    )
+    assert (status, body["field"]) == (422, "time")
+    assert (await hook.post("/v1/events/kubernetes", {"event_id": "e", "kind": "SPOT_ITN"}))[
+        0
+    ] == 422
+    assert (await hook.post("/v1/reclaims", b"x" * (64 * 1024 + 1)))[0] == 413
+
+
+# --- authentication --------------------------------------------------------------------------
+
+
+async def test_forged_and_unsigned_requests_are_refused(hook: Webhook, jobs: Jobs) -> None:
+    job = await jobs.start("i-0auth1")
+    body = json.dumps({"instance_id": "i-0auth1", "event_id": "forged"}).encode()
+    stale = hmac_headers(HMAC_SECRET, body, now=time.time() - 600)
+    refused = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {TOKEN}"},
+        hmac_headers("other-secret", body),
+        stale,
+        hmac_headers(HMAC_SECRET, body + b" "),  # signature of another body
+    ]
+    for headers in refused:
+        for path in ("/v1/reclaims", "/v1/events/aws", "/v1/events/kubernetes"):
+            assert (await hook.post(path, body, headers=headers))[0] == 401, (path, headers)
+    event = aws_event(INTERRUPTION, "i-0auth1")
+    other_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    notification = {"Type": "Notification", "Message": json.dumps(event)}
+    tampered = json.loads(hook.sns.sign(notification))
+    tampered["Message"] = json.dumps(event | {"id": "tampered"})
+    for forged in [
+        hook.sns.sign(notification, key=other_key),
+        hook.sns.sign(notification | {"TopicArn": TOPIC + "-other"}),
+        hook.sns.sign(notification | {"SigningCertURL": "https://evil.example/x.pem"}),
+        hook.sns.sign(
+            notification | {"SigningCertURL": CERT_URL.replace(".com/", ".com.evil.io/")}
+        ),
+        json.dumps(tampered).encode(),
+        json.dumps(event).encode(),  # plain event, no SNS envelope, no credentials
+    ]:
+        assert (await hook.post("/v1/events/aws", forged, headers={}))[0] == 401
+    assert all(url == CERT_URL for url in hook.sns.urls)
+    assert len(hook.sns.urls) <= 1  # the certificate is cached
+    await asyncio.sleep(0.3)
+    assert await received(job) == []
+    # The same requests properly signed go through.
+    assert (await hook.post("/v1/reclaims", body, headers=hmac_headers(HMAC_SECRET, body)))[
+        0
+    ] == 200
+    assert (await hook.post("/v1/events/aws", hook.sns.sign(notification), headers={}))[0] == 200
+    await eventually(lambda: _has(job, 2))
+    assert [s["event_id"] for s in await received(job)] == ["forged", event["id"]]
+
+
+async def test_sns_subscription_confirmation(hook: Webhook) -> None:
+    subscribe = "https://sns.us-east-1.amazonaws.com/?Action=ConfirmSubscription&Token=t"
+    confirmation = {
+        "Type": "SubscriptionConfirmation",
+        "Message": "You have chosen to subscribe",
+        "Token": "t",
+        "SubscribeURL": subscribe,
+    }
+    status, body = await hook.post("/v1/events/aws", hook.sns.sign(confirmation), headers={})
+    assert (status, body) == (200, {"status": "subscribed"})
+    assert hook.sns.urls[-1] == subscribe
+    evil = confirmation | {"SubscribeURL": "https://evil.example/?Action=ConfirmSubscription"}
+    assert (await hook.post("/v1/events/aws", hook.sns.sign(evil), headers={}))[0] == 422
+    assert hook.sns.urls[-1] == subscribe
+
+
+async def test_health_readiness_and_metrics(hook: Webhook) -> None:
+    async with hook.http.get(hook.url + "/healthz") as resp:
+        assert resp.status == 200
+    async with hook.http.get(hook.url + "/readyz") as resp:
+        assert resp.status == 200
+    async with hook.http.get(hook.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'spotrain_webhook_events_total{kind="interruption",source="aws"}' in text
+    assert 'spotrain_webhook_signals_total{signal="node_lost"}' in text
+    assert 'spotrain_webhook_requests_total{code="401",path="/v1/reclaims"}' in text
+    assert "spotrain_webhook_signal_latency_seconds_count" in text
+    assert TOKEN not in text and HMAC_SECRET not in text
+
+
+# --- queue mode ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def queue(moto_endpoint: str) -> tuple[Any, str]:
+    """An SQS queue fed by an EventBridge rule on EC2 events, as infra/aws/eventbridge sets up."""
+    sqs = boto3.client("sqs", endpoint_url=moto_endpoint, region_name="us-east-1")
+    events = boto3.client("events", endpoint_url=moto_endpoint, region_name="us-east-1")
+    name = f"reclaims-{uuid.uuid4().hex[:8]}"
+    url = sqs.create_queue(QueueName=name)["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]
+    events.put_rule(Name=name, EventPattern=json.dumps({"source": ["aws.ec2"]}))
+    events.put_targets(Rule=name, Targets=[{"Id": "q", "Arn": arn["QueueArn"]}])
+    return sqs, url
+
+
+def put_ec2_event(moto_endpoint: str, kind: str, detail: dict[str, str]) -> None:
+    events = boto3.client("events", endpoint_url=moto_endpoint, region_name="us-east-1")
+    entry = {"Source": "aws.ec2", "DetailType": kind, "Detail": json.dumps(detail)}
+    assert events.put_events(Entries=[entry])["FailedEntryCount"] == 0
+
+
+def queued(sqs: Any, url: str) -> int:
+    attrs = sqs.get_queue_attributes(
+        QueueUrl=url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    return sum(int(v) for v in attrs.values())
+
+
+async def test_sqs_poller_deletes_only_handled_messages(
+    hook: Webhook, jobs: Jobs, queue: tuple[Any, str], moto_endpoint: str
+) -> None:
+    sqs, url = queue
+    job = await jobs.start("i-0sqs1")
+    put_ec2_event(moto_endpoint, INTERRUPTION, {"instance-id": "i-0sqs1"})
+    put_ec2_event(moto_endpoint, STATE_CHANGE, {"instance-id": "i-0sqs1", "state": "terminated"})
+    sqs.send_message(QueueUrl=url, MessageBody="not json")
+    poller = SqsPoller(sqs, url, hook.service.dispatcher, wait_s=1, visibility_s=30)
+    assert await poller.poll_once() == 3
+    assert queued(sqs, url) == 0
+    await eventually(lambda: _has(job, 2))
+    assert [s["signal"] for s in await received(job)] == ["reclaim", "node_lost"]
+
+
+# --- a Temporal outage: 503, and nothing lost -------------------------------------------------
+
+
+class TcpProxy:
+    """A loopback TCP proxy to the dev server that the test can cut and restore: a real
+    outage as the webhook's gRPC client sees it, without restarting Temporal."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def up(self) -> None:
+        self._server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def down(self) -> None:
+        assert self._server
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+
+
+async def test_temporal_outage_returns_503_and_loses_nothing(
+    dev_env: WorkflowEnvironment, jobs: Jobs, queue: tuple[Any, str], moto_endpoint: str
+) -> None:
+    job = await jobs.start("i-0out1")
+    proxy = TcpProxy(int(dev_env.client.service_client.config.target_host.rsplit(":", 1)[1]))
+    await proxy.up()
+    client = await Client.connect(f"127.0.0.1:{proxy.port}", data_converter=pydantic_data_converter)
+    sqs, url = queue
+    async with running_webhook(client, rpc_timeout_s=1.0) as hook:
+        poller = SqsPoller(sqs, url, hook.service.dispatcher, wait_s=1, visibility_s=1)
+        event = aws_event(INTERRUPTION, "i-0out1")
+        await proxy.down()
+        assert (await hook.post("/v1/events/aws", event))[0] == 503
+        async with hook.http.get(hook.url + "/readyz") as resp:
+            assert resp.status == 503
+        put_ec2_event(
+            moto_endpoint, STATE_CHANGE, {"instance-id": "i-0out1", "state": "terminated"}
+        )
+        assert await poller.poll_once() == 0
+        assert queued(sqs, url) == 1  # kept for redelivery
+        await proxy.up()
+
+        async def sender_retry() -> bool:  # what EventBridge / SNS / NTH do on 503
+            return (await hook.post("/v1/events/aws", event))[0] == 200
+
+        await eventually(sender_retry)
+        await asyncio.sleep(1.1)  # the message's visibility timeout
+        assert await poller.poll_once() == 1
+        assert queued(sqs, url) == 0
+    await eventually(lambda: _has(job, 2))
+    await asyncio.sleep(0.3)
+    assert [(s["signal"], s["node_id"]) for s in await received(job)] == [
+        ("reclaim", "i-0out1"),
+        ("node_lost", "i-0out1"),
+    ]
+    await proxy.down()
+
+
+# --- latency ---------------------------------------------------------------------------------
+
+
+async def test_latency_request_to_signal_accepted(hook: Webhook, jobs: Jobs) -> None:
+    """Sequential requests, each answered only after Temporal accepted its signal."""
+    await jobs.start("i-0lat1")
+    before = hook.service.metrics.latency_count
+    client_side = []
+    for i in range(300):
+        started = time.perf_counter()
+        body = {"instance_id": "i-0lat1", "event_id": f"lat-{i}", "kind": "rebalance"}
+        assert (await hook.post("/v1/reclaims", body))[0] == 200
+        client_side.append(time.perf_counter() - started)
+    assert hook.service.metrics.latency_count - before == 300
+    median = statistics.median(client_side)
+    p99 = statistics.quantiles(client_side, n=100)[98]
+    print(f"\nrequest -> signal accepted (client side, 300 requests): "
+          f"median {median * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")  # fmt: skip
+    assert p99 < 1.0

@@ -1,0 +1,481 @@
+"""The reclaim webhook: cloud interruption notices in, `reclaim` / `node_lost` signals out.
+
+Each notice is authenticated (webhook_auth), normalised (webhook_events), mapped from instance
+id to the running job workflow(s) by a visibility query on the `SpotrainNodeIds` search
+attribute, and signalled with its event id. The HTTP answer comes only after Temporal accepted
+the signal: 503 while Temporal is unreachable so the sender retries, and the SQS poller
+deletes a message only once its event was handled. Duplicates have one effect: the signal's
+request id derives from the event id (Temporal drops a repeat within a run) and the workflow
+dedupes by event id as well.
+
+Endpoints (see webhook_openapi.yaml): POST /v1/reclaims, /v1/events/aws,
+/v1/events/kubernetes; GET /healthz, /readyz, /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import aiohttp
+import boto3
+from aiohttp import web
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import (
+    GetSystemInfoRequest,
+    ListWorkflowExecutionsRequest,
+    SignalWorkflowExecutionRequest,
+)
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConfig
+from temporalio.service import RPCError, RPCStatusCode
+
+from spotrain.workers.webhook_auth import AuthConfig, SnsVerifier, check_headers, is_sns_url
+from spotrain.workers.webhook_events import (
+    Ignored,
+    MalformedJSON,
+    Outcome,
+    SchemaError,
+    decode_json,
+    is_sns_envelope,
+    outcome_kind,
+    parse_aws,
+    parse_kubernetes,
+    parse_reclaim,
+)
+from spotrain.workflows import attributes
+from spotrain.workflows.contract import NodeLost, ReclaimNotice
+
+log = logging.getLogger("spotrain.webhook")
+
+
+def _log(level: int, event: str, **fields: Any) -> None:
+    """One JSON object per line: ids and outcomes only, never bodies, headers or secrets."""
+    log.log(level, json.dumps({"event": event, **fields}, default=str))
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    host: str = "0.0.0.0"
+    port: int = 8080
+    max_body_bytes: int = 64 * 1024
+    rpc_timeout_s: float = 5.0
+    queue_url: str | None = None  # SQS queue mode when set
+    sqs_endpoint_url: str | None = None
+    region: str = "us-east-1"
+    poll_wait_s: int = 10
+    visibility_timeout_s: int = 30
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> WebhookConfig:
+        return cls(
+            auth=AuthConfig.from_env(env),
+            host=env.get("SPOTRAIN_WEBHOOK_HOST", "0.0.0.0"),
+            port=int(env.get("SPOTRAIN_WEBHOOK_PORT", "8080")),
+            max_body_bytes=int(env.get("SPOTRAIN_WEBHOOK_MAX_BODY_BYTES", str(64 * 1024))),
+            queue_url=env.get("SPOTRAIN_WEBHOOK_QUEUE_URL") or None,
+            sqs_endpoint_url=env.get("SPOTRAIN_WEBHOOK_SQS_ENDPOINT_URL") or None,
+            region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),
+        )
+
+
+class TemporalUnavailable(Exception):
+    """Temporal did not accept the lookup or the signal: the sender must retry."""
+
+
+# --- metrics (Prometheus text format) --------------------------------------------------------
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    """Counters with fixed label sets plus one latency histogram: enough for /metrics without
+    pulling in a client library."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+        self.buckets = [0] * len(LATENCY_BUCKETS)
+        self.latency_sum = 0.0
+        self.latency_count = 0
+
+    def inc(self, name: str, **labels: str) -> None:
+        self.counters[(name, tuple(sorted(labels.items())))] += 1
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.buckets[i] += 1
+        self.latency_sum += seconds
+        self.latency_count += 1
+
+    def render(self) -> str:
+        lines = []
+        for name in sorted({n for n, _ in self.counters}):
+            lines.append(f"# TYPE {name} counter")
+            for (n, labels), value in sorted(self.counters.items()):
+                if n == name:
+                    text = ",".join(f'{k}="{v}"' for k, v in labels)
+                    lines.append(f"{name}{{{text}}} {value}" if text else f"{name} {value}")
+        hist = "spotrain_webhook_signal_latency_seconds"
+        lines.append(f"# TYPE {hist} histogram")
+        for bound, count in zip(LATENCY_BUCKETS, self.buckets, strict=True):
+            lines.append(f'{hist}_bucket{{le="{bound}"}} {count}')
+        lines.append(f'{hist}_bucket{{le="+Inf"}} {self.latency_count}')
+        lines.append(f"{hist}_sum {self.latency_sum}")
+        lines.append(f"{hist}_count {self.latency_count}")
+        return "\n".join(lines) + "\n"
+
+
+# --- instance id -> job workflow -> signal ---------------------------------------------------
+
+
+class Dispatcher:
+    """Finds the running job workflow(s) that own a node and signals them."""
+
+    def __init__(self, client: Client, metrics: Metrics, rpc_timeout_s: float = 5.0) -> None:
+        self._client = client
+        self._metrics = metrics
+        self._timeout = timedelta(seconds=rpc_timeout_s)
+
+    async def deliver(self, outcome: Outcome, source: str, started: float) -> list[str]:
+        """Signal every running workflow owning the node; returns their ids ([] if none).
+        `started` is the perf_counter time the event arrived, for the latency histogram."""
+        kind = outcome_kind(outcome)
+        self._metrics.inc("spotrain_webhook_events_total", source=source, kind=kind)
+        if isinstance(outcome, Ignored):
+            _log(logging.INFO, "ignored", source=source, reason=outcome.reason)
+            return []
+        signal = "node_lost" if isinstance(outcome, NodeLost) else "reclaim"
+        fields = {"source": source, "kind": kind, "node_id": outcome.node_id}
+        fields["event_id"] = outcome.event_id
+        try:
+            workflow_ids = await self._owners(outcome.node_id)
+            if not workflow_ids:
+                _log(logging.INFO, "unknown_instance", **fields)
+            signalled = [w for w in workflow_ids if await self._signal(w, signal, outcome)]
+        except RPCError as e:
+            self._metrics.inc("spotrain_webhook_temporal_errors_total")
+            _log(logging.WARNING, "temporal_unavailable", status=e.status.name, **fields)
+            raise TemporalUnavailable(e.status.name) from None
+        for workflow_id in signalled:
+            self._metrics.inc("spotrain_webhook_signals_total", signal=signal)
+            self._metrics.observe(time.perf_counter() - started)
+            _log(logging.INFO, "signalled", signal=signal, workflow_id=workflow_id, **fields)
+        return signalled
+
+    async def _owners(self, node_id: str) -> list[str]:
+        """Node ids are validated to a quote-free charset, so they embed safely."""
+        query = f"{attributes.NODE_IDS.name} = '{node_id}' AND ExecutionStatus = 'Running'"
+        req = ListWorkflowExecutionsRequest(
+            namespace=self._client.namespace, query=query, page_size=100
+        )
+        resp = await self._client.workflow_service.list_workflow_executions(
+            req, retry=False, timeout=self._timeout
+        )
+        return sorted({e.execution.workflow_id for e in resp.executions})
+
+    async def _signal(
+        self, workflow_id: str, signal: str, payload: ReclaimNotice | NodeLost
+    ) -> bool:
+        """The raw call lets the request id derive from the event id, so Temporal itself drops
+        a duplicate sent to the same run. False if the run ended meanwhile."""
+        dedupe = f"spotrain:{signal}:{workflow_id}:{payload.event_id}"
+        req = SignalWorkflowExecutionRequest(
+            namespace=self._client.namespace,
+            workflow_execution=WorkflowExecution(workflow_id=workflow_id),
+            signal_name=signal,
+            identity=self._client.identity,
+            request_id=str(uuid.uuid5(uuid.NAMESPACE_URL, dedupe)),
+        )
+        req.input.payloads.extend(await self._client.data_converter.encode([payload]))
+        try:
+            await self._client.workflow_service.signal_workflow_execution(
+                req, retry=False, timeout=self._timeout
+            )
+        except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+
+# --- queue mode ------------------------------------------------------------------------------
+
+
+class SqsPoller:
+    """Like aws-node-termination-handler's queue mode: EventBridge puts events on an SQS
+    queue, and a message is deleted only after its event was handled, so a Temporal outage
+    leaves it to come back after its visibility timeout."""
+
+    def __init__(
+        self, sqs: Any, queue_url: str, dispatcher: Dispatcher, wait_s: int, visibility_s: int
+    ) -> None:
+        self._sqs = sqs
+        self._queue_url = queue_url
+        self._dispatcher = dispatcher
+        self._wait_s = wait_s
+        self._visibility_s = visibility_s
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # SQS unreachable: keep polling, never die
+                _log(logging.WARNING, "sqs_error", error=type(e).__name__)
+                await asyncio.sleep(1)
+
+    async def poll_once(self) -> int:
+        """Receive one batch; returns how many messages were deleted."""
+        resp = await asyncio.to_thread(
+            self._sqs.receive_message,
+            QueueUrl=self._queue_url,
+            MaxNumberOfMessages=10,
+            WaitTimeSeconds=self._wait_s,
+            VisibilityTimeout=self._visibility_s,
+        )
+        deleted = 0
+        for message in resp.get("Messages", []):
+            if await self._handle(message["Body"], message["MessageId"]):
+                await asyncio.to_thread(
+                    self._sqs.delete_message,
+                    QueueUrl=self._queue_url,
+                    ReceiptHandle=message["ReceiptHandle"],
+                )
+                deleted += 1
+        return deleted
+
+    async def _handle(self, body: str, message_id: str) -> bool:
+        """True when the message is done with: delivered, ignored, or unparseable (it never
+        will parse; it is logged and dropped)."""
+        started = time.perf_counter()
+        try:
+            outcome = parse_aws(decode_json(body))
+        except (MalformedJSON, SchemaError) as e:
+            _log(logging.WARNING, "sqs_dropped", message_id=message_id, error=str(e)[:200])
+            return True
+        try:
+            await self._dispatcher.deliver(outcome, "sqs", started)
+        except TemporalUnavailable:
+            return False
+        return True
+
+
+# --- HTTP ------------------------------------------------------------------------------------
+
+Parser = Callable[[Any], Outcome]
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+class WebhookService:
+    """The HTTP app plus, when a queue URL is configured, the SQS poller.
+
+    `http_get` fetches SNS certificates and subscription-confirmation URLs (only URLs on the
+    SNS host pattern reach it); it defaults to aiohttp.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        config: WebhookConfig,
+        http_get: Callable[[str], Awaitable[bytes]] | None = None,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.metrics = Metrics()
+        self.dispatcher = Dispatcher(client, self.metrics, config.rpc_timeout_s)
+        self._http_get = http_get or self._aiohttp_get
+        self._sns = SnsVerifier(config.auth.sns_topic_arns, self._http_get)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._count])
+        self.app.add_routes(
+            [
+                web.post("/v1/reclaims", self._route(parse_reclaim, "spotrain")),
+                web.post("/v1/events/aws", self._route(parse_aws, "aws", allow_sns=True)),
+                web.post("/v1/events/kubernetes", self._route(parse_kubernetes, "kubernetes")),
+                web.get("/healthz", self._healthz),
+                web.get("/readyz", self._readyz),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+
+    async def start(self) -> int:
+        """Listen (port 0 picks a free one) and start the poller; returns the port."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port: int = self._runner.addresses[0][1]
+        if self.config.queue_url:
+            sqs = boto3.client(
+                "sqs", region_name=self.config.region, endpoint_url=self.config.sqs_endpoint_url
+            )
+            poller = SqsPoller(
+                sqs,
+                self.config.queue_url,
+                self.dispatcher,
+                self.config.poll_wait_s,
+                self.config.visibility_timeout_s,
+            )
+            self._poller = asyncio.create_task(poller.run())
+        if not (self.config.auth.bearer_token or self.config.auth.hmac_secret):
+            _log(logging.WARNING, "no_http_auth", detail="only SNS/SQS input will be accepted")
+        _log(logging.INFO, "listening", host=self.config.host, port=port)
+        return port
+
+    async def stop(self) -> None:
+        if self._poller:
+            self._poller.cancel()
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    @web.middleware
+    async def _count(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Requests by route and status; anything unexpected is a logged 500, never a crash."""
+        try:
+            response = await handler(request)
+        except web.HTTPException as e:  # 404, 405, 413 ...
+            self._count_request(request, e.status)
+            raise
+        except Exception:
+            log.exception(json.dumps({"event": "internal_error", "path": request.path}))
+            response = _error(500, "internal error")
+        self._count_request(request, response.status)
+        return response
+
+    def _count_request(self, request: web.Request, status: int) -> None:
+        route = request.match_info.route.resource
+        path = route.canonical if route else "unmatched"
+        self.metrics.inc("spotrain_webhook_requests_total", path=path, code=str(status))
+
+    def _route(
+        self, parse: Parser, source: str, allow_sns: bool = False
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            return await self._event(request, parse, source, allow_sns)
+
+        return handler
+
+    async def _event(
+        self, request: web.Request, parse: Parser, source: str, allow_sns: bool
+    ) -> web.Response:
+        started = time.perf_counter()
+        body = await request.read()  # over client_max_size: 413
+        trusted = check_headers(self.config.auth, request.headers, body)
+        if not (trusted or allow_sns):
+            return _error(401, "unauthenticated")
+        try:
+            obj = decode_json(body)
+        except MalformedJSON:
+            return _error(400, "malformed JSON") if trusted else _error(401, "unauthenticated")
+        if not trusted:
+            try:
+                if not (is_sns_envelope(obj) and await self._sns.verify(obj)):
+                    return _error(401, "unauthenticated")
+            except (aiohttp.ClientError, TimeoutError):
+                return _error(503, "SNS certificate unavailable")
+            source = "sns"
+            if obj["Type"] == "SubscriptionConfirmation":
+                return await self._confirm(obj)
+        try:
+            outcome = parse(obj)
+        except SchemaError as e:
+            return _error(422, e.message, field=e.field)
+        try:
+            workflow_ids = await self.dispatcher.deliver(outcome, source, started)
+        except TemporalUnavailable:
+            return web.json_response(
+                {"error": "temporal unavailable"}, status=503, headers={"Retry-After": "1"}
+            )
+        if isinstance(outcome, Ignored):
+            return web.json_response({"status": "ignored", "reason": outcome.reason}, status=202)
+        if not workflow_ids:
+            return web.json_response({"status": "unknown_instance"}, status=202)
+        return web.json_response({"status": "signalled", "workflow_ids": workflow_ids})
+
+    async def _confirm(self, message: Mapping[str, Any]) -> web.Response:
+        url = message.get("SubscribeURL")
+        if not is_sns_url(url):
+            return _error(422, "SubscribeURL is not an SNS URL", field="SubscribeURL")
+        try:
+            await self._http_get(url)
+        except (aiohttp.ClientError, TimeoutError):
+            return _error(503, "SNS unreachable")
+        _log(logging.INFO, "sns_subscribed", topic=message.get("TopicArn"))
+        return web.json_response({"status": "subscribed"})
+
+    async def _aiohttp_get(self, url: str) -> bytes:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        async with self._session.get(url, allow_redirects=False) as resp:
+            resp.raise_for_status()
+            return await resp.content.read(64 * 1024)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        """Ready when Temporal answers: a pod that cannot signal should not get traffic."""
+        try:
+            await self.client.workflow_service.get_system_info(
+                GetSystemInfoRequest(), retry=False, timeout=timedelta(seconds=2)
+            )
+        except RPCError as e:
+            return _error(503, "temporal unavailable", rpc_status=e.status.name)
+        return web.json_response({"status": "ready"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain")
+
+
+async def serve(client: Client, config: WebhookConfig) -> None:
+    """Run until cancelled."""
+    service = WebhookService(client, config)
+    await service.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await service.stop()
+
+
+async def connect() -> Client:
+    """Temporal's standard settings (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY,
+    TLS, profiles), defaulting to localhost:7233."""
+    settings: dict[str, Any] = {"target_host": "localhost:7233"}
+    settings.update(ClientConfig.load_client_connect_config())
+    return await Client.connect(**settings, data_converter=pydantic_data_converter)
+
+
+def main() -> None:
+    """`python -m spotrain.workers.webhook`; the `spotrain webhook` command calls the same."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    async def run() -> None:
+        await serve(await connect(), WebhookConfig.from_env())
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
