@@ -104,16 +104,22 @@ async def received(handle: WorkflowHandle[Any, Any]) -> list[dict[str, Any]]:
     return await handle.query("received")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def jobs(dev_env: WorkflowEnvironment) -> AsyncIterator[Jobs]:
+@contextlib.asynccontextmanager
+async def recording_worker(client: Client) -> AsyncIterator[Jobs]:
     task_queue = f"webhook-{uuid.uuid4()}"
     async with Worker(
-        dev_env.client,
+        client,
         task_queue=task_queue,
         workflows=[RecordingJob],
         workflow_runner=UnsandboxedWorkflowRunner(),  # a test double, no sandbox needed
     ):
-        yield Jobs(dev_env.client, task_queue)
+        yield Jobs(client, task_queue)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def jobs(dev_env: WorkflowEnvironment) -> AsyncIterator[Jobs]:
+    async with recording_worker(dev_env.client) as recording:
+        yield recording
 
 
 @dataclass

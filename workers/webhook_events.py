@@ -122,12 +122,12 @@ class Ec2Detail(BaseModel):
 LOST_STATES = {"shutting-down", "terminated"}
 
 
+SNS_TYPES = ("Notification", "SubscriptionConfirmation", "UnsubscribeConfirmation")
+
+
 def is_sns_envelope(obj: Any) -> bool:
-    return isinstance(obj, dict) and obj.get("Type") in {
-        "Notification",
-        "SubscriptionConfirmation",
-        "UnsubscribeConfirmation",
-    }
+    """A tuple, not a set: `Type` may be any JSON value, lists included."""
+    return isinstance(obj, dict) and obj.get("Type") in SNS_TYPES
 
 
 def parse_aws(obj: Any) -> Outcome:
