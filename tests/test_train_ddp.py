@@ -23,21 +23,32 @@ from spotrain.workflows.contract import (
 pytest.importorskip("torch")
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
-TOTAL_STEPS = 600
+TOTAL_STEPS = 300
 GLOBAL_BATCH = 50  # uneven over 3 ranks: 16, 17, 17
 
 
-def plan(tmp_path: Path, generation: int, nodes: int) -> GenerationPlan:
+def plan(
+    tmp_path: Path, generation: int, nodes: int, job: str = "ddp", total_steps: int = TOTAL_STEPS
+) -> GenerationPlan:
+    (tmp_path / job).mkdir(exist_ok=True)
     return GenerationPlan(
-        job="ddp",
+        job=job,
         generation=generation,
         members=[Member(node_id=f"node-{i}", address="127.0.0.1") for i in range(nodes)],
-        command=[sys.executable, str(EXAMPLE), "--record", str(tmp_path / "record")],
-        checkpoint=f"file://{tmp_path}/store",
+        command=[sys.executable, str(EXAMPLE), "--record", str(tmp_path / job)],
+        checkpoint=f"file://{tmp_path}/{job}/store",
         scale_config={"lr": 0.02, "ckpt_every": 50},
         global_batch_size=GLOBAL_BATCH,
-        total_steps=TOTAL_STEPS,
+        total_steps=total_steps,
     )
+
+
+def run_to_end(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan) -> WatchResult:
+    deadline = time.monotonic() + 90
+    while (result := watch(env, rt, p)).outcome == "progress":
+        assert time.monotonic() < deadline, f"{p.job} generation {p.generation} did not finish"
+    assert result.outcome == "completed", (result, rt.log_path(p.job, 0).read_text())
+    return result
 
 
 def watch(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan) -> WatchResult:
@@ -51,16 +62,15 @@ def watch(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan) -> Watc
     return env.run(rt.watch_generation, req)
 
 
-def records(tmp_path: Path, generation: int) -> dict[int, list[dict]]:
+def records(tmp_path: Path, generation: int, job: str = "ddp") -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
-    for f in (tmp_path / "record").glob(f"gen-{generation}-rank-*.jsonl"):
+    for f in (tmp_path / job).glob(f"gen-{generation}-rank-*.jsonl"):
         rank = int(f.stem.rsplit("-", 1)[1])
         out[rank] = [json.loads(line) for line in f.read_text().splitlines()]
     return out
 
 
 def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path) -> None:
-    (tmp_path / "record").mkdir()
     env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
     gen0 = plan(tmp_path, 0, nodes=2)
     env.run(rt.start_generation, gen0)
@@ -88,11 +98,11 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
 
     gen1 = plan(tmp_path, 1, nodes=3)
     env.run(rt.start_generation, gen1)
-    deadline = time.monotonic() + 90
-    while (result := watch(env, rt, gen1)).outcome == "progress":
-        assert time.monotonic() < deadline, "generation 1 did not finish"
-    assert result.outcome == "completed", (result, rt.log_path("ddp", 0, 1).read_text())
-    assert result.exit_codes == {0: 0, 1: 0, 2: 0}
+    # Reference: one rank, never resized, a few steps past the resize point.
+    ref = plan(tmp_path, 0, nodes=1, job="ref", total_steps=resized_at + 20)
+    env.run(rt.start_generation, ref)
+    assert run_to_end(env, rt, gen1).exit_codes == {0: 0, 1: 0, 2: 0}
+    run_to_end(env, rt, ref)
 
     # Steps add up exactly: generation 0 did 1..resized_at, generation 1 the rest.
     rec0, rec1 = records(tmp_path, 0), records(tmp_path, 1)
@@ -118,4 +128,8 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
     assert after < 0.5 * first, (first, before, after)
     assert after < 1.5 * before, (before, after)
     assert last < after, (after, last)
+    # ... and resumed training is the same computation as never resized (same samples, global
+    # mean gradients, optimizer state resharded), up to float summation order.
+    ref_losses = [e["loss"] for e in records(tmp_path, 0, job="ref")[0]]
+    assert losses[: resized_at + 20] == pytest.approx(ref_losses, rel=1e-3)
     assert not any(r.alive() for g in (0, 1) for r in rt._ranks("ddp", g))

@@ -1,0 +1,264 @@
+"""The local runtime against real processes: a small worker script using the real training
+library (no torch, so each case takes seconds). Activities run inside the SDK's
+ActivityEnvironment, so their heartbeats are real SDK calls."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from spotrain.activities.local import LocalRuntime, _proc_start_time
+from spotrain.activities.store import JobStore
+from spotrain.workflows.contract import (
+    CleanupRequest,
+    GenerationPlan,
+    Member,
+    StopRequest,
+    StopResult,
+    WatchRequest,
+    WatchResult,
+)
+
+# mode: "train" (acks the elastic event), "stubborn" (ignores the event and SIGTERM),
+# "crash" (rank 1 exits 3 at step 5). Steps every 20 ms, checkpoint "files" every 10 steps.
+WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from spotrain.workers import elastic
+
+    mode = sys.argv[1]
+    s = elastic.settings()
+    latest = elastic.latest_checkpoint()
+    step = latest["step"] if latest else 0
+    print(f"rank={s.rank} world={s.world_size} node={s.node_id} "
+          f"port={os.environ['MASTER_PORT']} batch={s.local_batch_size} from={step}", flush=True)
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while step < s.total_steps:
+        time.sleep(0.02)
+        step += 1
+        if mode == "crash" and s.rank == 1 and step == 5:
+            sys.exit(3)
+        if step % 10 == 0:
+            elastic.mark_checkpoint(step, f"ckpt-{step}")
+        elastic.report_progress(step)
+        if mode != "stubborn" and elastic.elastic_event_detected():
+            elastic.mark_checkpoint(step, f"ckpt-{step}")
+            elastic.ack_checkpoint(step)
+            sys.exit(0)
+    elastic.mark_done(step)
+    while elastic.store().done() is None:  # stands in for the barrier after mark_done
+        time.sleep(0.02)
+    """
+)
+
+
+@pytest.fixture
+def env() -> ActivityEnvironment:
+    return ActivityEnvironment()
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Path:
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+def plan(
+    tmp_path: Path, worker: Path, mode: str, generation: int = 0, total_steps: int = 10_000
+) -> GenerationPlan:
+    return GenerationPlan(
+        job="job",
+        generation=generation,
+        members=[
+            Member(node_id="node-a", address="127.0.0.1", procs=2),
+            Member(node_id="node-b", address="127.0.0.1"),
+        ],
+        command=[sys.executable, str(worker), mode],
+        checkpoint=f"file://{tmp_path}/store",
+        global_batch_size=10,
+        total_steps=total_steps,
+    )
+
+
+def stop_req(p: GenerationPlan, graceful: bool, grace_s: float = 10, **kw: object) -> StopRequest:
+    return StopRequest(
+        job=p.job,
+        generation=p.generation,
+        world_size=p.world_size,
+        checkpoint=p.checkpoint,
+        graceful=graceful,
+        grace_s=grace_s,
+        **kw,
+    )
+
+
+def watch_req(p: GenerationPlan, report_after_s: float = 0.5) -> WatchRequest:
+    return WatchRequest(
+        job=p.job,
+        generation=p.generation,
+        world_size=p.world_size,
+        checkpoint=p.checkpoint,
+        report_after_s=report_after_s,
+    )
+
+
+def wait_for(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan, step: int) -> None:
+    """Watch until rank 0 reported progress at `step` or beyond."""
+    deadline = time.monotonic() + 30
+    while (env.run(rt.watch_generation, watch_req(p)).step or 0) < step:
+        assert time.monotonic() < deadline, rt.log_path(p.job, 0, p.generation).read_text()
+
+
+def pids(rt: LocalRuntime, p: GenerationPlan) -> list[int]:
+    return [r.record()["pid"] for r in rt._ranks(p.job, p.generation)]
+
+
+def running(pid: int) -> bool:
+    return _proc_start_time(pid) is not None
+
+
+def test_start_is_idempotent_and_sets_the_worker_environment(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "train")
+    env.run(rt.start_generation, p)
+    first = pids(rt, p)
+    env.run(rt.start_generation, p)
+    assert pids(rt, p) == first and len(first) == 3 and all(map(running, first))
+
+    wait_for(env, rt, p, 1)
+    heads = [rt.log_path("job", r, 0).read_text().splitlines()[0] for r in range(3)]
+    port = (rt.gen_dir("job", 0) / "master_port").read_text()
+    assert heads == [
+        f"rank=0 world=3 node=node-a port={port} batch=3 from=0",
+        f"rank=1 world=3 node=node-a port={port} batch=3 from=0",
+        f"rank=2 world=3 node=node-b port={port} batch=4 from=0",
+    ]
+
+    result = env.run(rt.stop_generation, stop_req(p, graceful=False))
+    assert result.forced and not any(map(running, first))
+    again = env.run(rt.stop_generation, stop_req(p, graceful=False))
+    assert again == StopResult(acked_ranks=[], checkpoint_step=again.checkpoint_step, forced=False)
+    unknown = plan(tmp_path, worker, "train", generation=7)
+    assert not env.run(rt.stop_generation, stop_req(unknown, graceful=True)).forced
+
+
+def test_elastic_event_is_acked_within_the_grace_period(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "train")
+    env.run(rt.start_generation, p)
+    wait_for(env, rt, p, 1)
+    started = time.monotonic()
+    result = env.run(rt.stop_generation, stop_req(p, graceful=True, grace_s=20))
+    assert time.monotonic() - started < 5
+    assert result.acked_ranks == [0, 1, 2] and not result.forced
+    assert result.checkpoint_step == JobStore(p.checkpoint).latest_checkpoint()["step"]
+    codes = [r.exit_code() for r in rt._ranks("job", 0)]
+    assert codes == [0, 0, 0]
+
+
+def test_stubborn_worker_is_killed_at_the_timeout_and_next_generation_resumes(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    rt = LocalRuntime(tmp_path / "rt", term_grace_s=1)
+    p = plan(tmp_path, worker, "stubborn")
+    env.run(rt.start_generation, p)
+    wait_for(env, rt, p, 10)
+    started = time.monotonic()
+    result = env.run(rt.stop_generation, stop_req(p, graceful=True, grace_s=1))
+    # grace (1 s), SIGTERM ignored for term_grace_s (1 s), then SIGKILL.
+    assert 2 <= time.monotonic() - started < 6
+    assert result.forced and result.acked_ranks == []
+    assert result.checkpoint_step is not None and result.checkpoint_step >= 10
+    assert not any(map(running, pids(rt, p)))
+
+    nxt = plan(tmp_path, worker, "train", generation=1, total_steps=result.checkpoint_step + 5)
+    env.run(rt.start_generation, nxt)
+    done = env.run(rt.watch_generation, watch_req(nxt, report_after_s=20))
+    assert done.outcome == "completed", done
+    assert done.exit_codes == {0: 0, 1: 0, 2: 0} and done.step == nxt.total_steps
+    log = rt.log_path("job", 2, 1).read_text()
+    assert f"from={result.checkpoint_step}" in log
+
+
+def test_crashed_rank_fails_the_watch_at_once(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "crash")
+    env.run(rt.start_generation, p)
+    started = time.monotonic()
+    result = env.run(rt.watch_generation, watch_req(p, report_after_s=30))
+    assert time.monotonic() - started < 10
+    assert result.outcome == "failed" and result.exit_codes == {1: 3}
+    assert result.detail == "rank 1 exited with code 3"
+    env.run(rt.cleanup_job, CleanupRequest(job="job"))
+    assert not rt.job_dir("job").exists()
+
+
+def test_lost_node_processes_are_killed_and_the_watch_names_them(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "train")
+    env.run(rt.start_generation, p)
+    assert rt.kill_node("job", "node-b") == [2]
+    result: WatchResult = env.run(rt.watch_generation, watch_req(p))
+    assert result.outcome == "failed"
+    assert result.detail == "rank 2 vanished without an exit code"
+    alive = pids(rt, p)[:2]
+    assert all(map(running, alive))
+
+    env.run(rt.cleanup_job, CleanupRequest(job="job", keep=True))
+    assert not any(map(running, alive))
+    assert rt.log_path("job", 0).exists()  # kept for `spotrain logs`
+
+
+CONTROLLER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from spotrain.activities.local import LocalRuntime
+    from spotrain.workflows.contract import GenerationPlan
+
+    LocalRuntime(Path(sys.argv[1])).start_generation(GenerationPlan.model_validate_json(sys.argv[2]))
+    print("started", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_ranks_survive_a_killed_controller_and_a_new_one_finds_them(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    """The controller is a real process that gets SIGKILLed while its ranks run."""
+    p = plan(tmp_path, worker, "train", total_steps=60)
+    controller = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, str(tmp_path / "rt"), p.model_dump_json()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert controller.stdout is not None and controller.stdout.readline() == "started\n"
+    os.kill(controller.pid, signal.SIGKILL)
+    controller.wait()
+
+    rt = LocalRuntime(tmp_path / "rt")  # the restarted controller
+    env.run(rt.start_generation, p)  # the retried activity starts nothing new
+    assert len(set(pids(rt, p))) == 3
+    progress = env.run(rt.watch_generation, watch_req(p, report_after_s=0.3))
+    assert progress.outcome == "progress"
+    done = env.run(rt.watch_generation, watch_req(p, report_after_s=20))
+    assert done.outcome == "completed" and done.exit_codes == {0: 0, 1: 0, 2: 0}
