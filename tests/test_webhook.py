@@ -18,24 +18,29 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import boto3
 import pytest
 import pytest_asyncio
+import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
+from openapi_spec_validator import validate
 from temporalio import workflow
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
+from spotrain.workers import webhook
 from spotrain.workers.webhook import SqsPoller, WebhookConfig, WebhookService
 from spotrain.workers.webhook_auth import AuthConfig, hmac_headers, sns_string_to_sign
+from spotrain.workers.webhook_events import PlainReclaim
 from spotrain.workflows import attributes
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
 
@@ -44,6 +49,7 @@ HMAC_SECRET = "test-hmac-secret"
 TOPIC = "arn:aws:sns:us-east-1:123456789012:spotrain-reclaims"
 CERT_URL = "https://sns.us-east-1.amazonaws.com/SimpleNotificationService-0123abcd.pem"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
+OPENAPI = Path(webhook.__file__).with_name("webhook_openapi.yaml")
 
 
 @workflow.defn(name="RecordingJob")
@@ -530,3 +536,20 @@ async def test_latency_request_to_signal_accepted(hook: Webhook, jobs: Jobs) -> 
     print(f"\nrequest -> signal accepted (client side, 300 requests): "
           f"median {median * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")  # fmt: skip
     assert p99 < 1.0
+
+
+# --- the OpenAPI description matches the service ----------------------------------------------
+
+
+def test_openapi_describes_the_routes_and_the_plain_form(hook: Webhook) -> None:
+    spec = yaml.safe_load(OPENAPI.read_text())
+    validate(spec)
+    described = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
+    served = {
+        (r.method, r.resource.canonical)
+        for r in hook.service.app.router.routes()
+        if r.method != "HEAD" and r.resource
+    }
+    assert described == served
+    plain = spec["components"]["schemas"]["PlainReclaim"]["properties"]
+    assert set(plain) == set(PlainReclaim.model_fields)
