@@ -1,0 +1,566 @@
+"""The Kubernetes worker runtime: each generation is one pod per node, started as a gang.
+
+Per generation g of job J, pod `J-g<g>-<node index>` runs the job's image and command once,
+pinned to the member's node (EC2 instance id -> Kubernetes node through `spec.providerID`
+`aws:///<zone>/<id>` or the `node.kubernetes.io/instance-id` label), with the worker contract's
+environment (activities/worker_env.py). A node with `procs > 1` still gets one pod and one
+command: RANK is the node's first rank, LOCAL_RANK 0 and LOCAL_WORLD_SIZE its process count,
+so the command itself launches the local processes (e.g. `torchrun --nproc-per-node
+$LOCAL_WORLD_SIZE ...`). Rank discovery goes through a headless Service per job:
+MASTER_ADDR is rank 0's pod DNS name. Horovod jobs also get a ConfigMap with the hostfile and a
+`discover_hosts.sh` for the current generation, mounted at /etc/spotrain/hosts.
+
+The elastic event is the pod annotation `spotrain.io/control` (empty: run, `stop`: checkpoint
+and exit), which the kubelet projects into /etc/spotrain/control through a downwardAPI volume.
+The kubelet refreshes that file on its sync period (about a minute by default), so graceful
+shutdown timeouts should allow for it. Acks and progress come from the checkpoint store.
+
+Every object carries the labels spotrain.io/managed=true, spotrain.io/job and (pods)
+spotrain.io/generation and spotrain.io/rank; cleanup selects by them. Waits use a list and then a
+watch from its resourceVersion, heartbeating at least every `watch_s` seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from spotrain.activities.store import JobStore
+from spotrain.activities.worker_env import rank_env
+from spotrain.workflows import contract
+from spotrain.workflows.contract import (
+    CleanupRequest,
+    GenerationPlan,
+    StopRequest,
+    StopResult,
+    WatchRequest,
+    WatchResult,
+)
+
+MANAGED = "spotrain.io/managed"
+JOB = "spotrain.io/job"
+GENERATION = "spotrain.io/generation"
+RANK = "spotrain.io/rank"
+CONTROL = "spotrain.io/control"  # annotation: the elastic event
+NODE_ID = "spotrain.io/node-id"  # annotation: the member's instance id
+PROCS = "spotrain.io/procs"  # annotation: processes (ranks) in this pod
+MEMBERS = "spotrain.io/members"  # annotation: pods in this generation
+STOP = "stop"
+
+CONTROL_DIR = "/etc/spotrain"
+CONTROL_PATH = f"{CONTROL_DIR}/control"
+HOSTS_DIR = "/etc/spotrain/hosts"
+HOSTFILE_ENV = "SPOTRAIN_HOSTFILE"
+DISCOVER_HOSTS_ENV = "SPOTRAIN_DISCOVER_HOSTS"
+GANG_ERROR = "GangStartError"  # retryable: the workflow's retry policy re-runs the gang start
+MERGE_PATCH = "application/merge-patch+json"
+
+# Spot nodes are often tainted so that only spot-tolerant work lands on them.
+SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
+    {"key": "spotrain.io/lifecycle", "operator": "Exists"},
+    {"key": "karpenter.sh/capacity-type", "operator": "Exists"},
+    {"key": "eks.amazonaws.com/capacityType", "operator": "Exists"},
+    {"key": "cloud.google.com/gke-spot", "operator": "Exists"},
+)
+
+T = TypeVar("T")
+Pods = dict[str, client.V1Pod]
+
+
+def _config_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """401/403 (RBAC) and 422 (invalid object) will not heal on retry: fail the job clearly."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except ApiException as err:
+            if err.status in (401, 403, 422):
+                raise ApplicationError(
+                    f"kubernetes API refused ({err.status} {err.reason})",
+                    type=contract.CONFIG_ERROR,
+                    non_retryable=True,
+                ) from err
+            raise
+
+    return wrapper
+
+
+def instance_id(node: client.V1Node) -> str | None:
+    """EC2 instance id of a node: the instance-id label, else providerID's last segment."""
+    labels = node.metadata.labels or {}
+    if "node.kubernetes.io/instance-id" in labels:
+        return labels["node.kubernetes.io/instance-id"]
+    provider = node.spec.provider_id if node.spec else None
+    return provider.rsplit("/", 1)[-1] if provider else None
+
+
+def pod_name(job: str, generation: int, index: int) -> str:
+    return f"{job}-g{generation}-{index}"
+
+
+def service_name(job: str) -> str:
+    """DNS-1035 label (must start with a letter; job names may start with a digit)."""
+    return f"spotrain-{job}"
+
+
+def hosts_name(job: str) -> str:
+    return f"spotrain-{job}-hosts"
+
+
+def _ranks(pod: client.V1Pod) -> set[int]:
+    first = int(pod.metadata.labels[RANK])
+    return set(range(first, first + int(pod.metadata.annotations[PROCS])))
+
+
+def _ready(pod: client.V1Pod) -> bool:
+    conditions = (pod.status and pod.status.conditions) or []
+    return pod.status.phase == "Running" and any(
+        c.type == "Ready" and c.status == "True" for c in conditions
+    )
+
+
+def _exit_code(pod: client.V1Pod) -> int | None:
+    for status in pod.status.container_statuses or []:
+        if status.state and status.state.terminated:
+            return status.state.terminated.exit_code
+    return -1 if pod.status.phase == "Failed" else None
+
+
+def why_stuck(pod: client.V1Pod) -> str:
+    """The most specific reason a pod is not Running and Ready, as kubectl would show it."""
+    status = pod.status
+    for c in status.conditions or []:
+        if c.type == "PodScheduled" and c.status == "False":
+            return f"{status.phase}, {c.reason}: {c.message}"
+    for cs in status.container_statuses or []:
+        if cs.state and cs.state.waiting:
+            return f"{status.phase}, {cs.state.waiting.reason}: {cs.state.waiting.message or ''}"
+    return f"{status.phase}, {status.reason or 'not Ready'}: {status.message or ''}"
+
+
+class GangFailed(Exception):
+    """A pod of the gang ended before the gang started."""
+
+
+class KubeRuntime:
+    """Worker runtime activities over the Kubernetes API.
+
+    `namespace` may contain `{job}` for a namespace per job (created beforehand, with the Role
+    bound in it); by default all jobs share one. `api_client` None loads the in-cluster service
+    account, else the kubeconfig.
+    """
+
+    def __init__(
+        self,
+        namespace: str = "spotrain",
+        api_client: client.ApiClient | None = None,
+        *,
+        master_port: int = 29500,
+        gang_timeout_s: float = 600.0,
+        watch_s: int = 4,
+        ack_poll_s: float = 0.5,
+        tolerations: tuple[dict[str, str], ...] = SPOT_TOLERATIONS,
+    ) -> None:
+        if api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api_client = client.ApiClient()
+        self.core = client.CoreV1Api(api_client)
+        self.namespace = namespace
+        self.master_port = master_port
+        self.gang_timeout_s = gang_timeout_s
+        self.watch_s = watch_s
+        self.ack_poll_s = ack_poll_s
+        self.tolerations = tolerations
+
+    def activities(self) -> list[Callable[..., Any]]:
+        return [
+            self.start_generation,
+            self.stop_generation,
+            self.watch_generation,
+            self.cleanup_job,
+        ]
+
+    def _ns(self, job: str) -> str:
+        return self.namespace.format(job=job)
+
+    # --- activities ------------------------------------------------------------------------
+
+    @activity.defn(name=contract.START_GENERATION)
+    @_config_errors
+    def start_generation(self, plan: GenerationPlan) -> None:
+        """Create the generation's pods (create-or-get) and wait until all are Running+Ready;
+        past `gang_timeout_s`, delete them and raise naming the stuck pods and why."""
+        if not plan.image:
+            raise ApplicationError(
+                "the Kubernetes runtime needs the job's `image`",
+                type=contract.CONFIG_ERROR,
+                non_retryable=True,
+            )
+        ns = self._ns(plan.job)
+        deadline = time.monotonic() + self.gang_timeout_s
+        hosts = self._node_hostnames([m.node_id for m in plan.members], deadline)
+        self._create(self.core.create_namespaced_service, ns, self._service(plan.job))
+        if plan.job_type == "horovod":
+            self._put_hosts(ns, plan)
+        names = set()
+        for index, member in enumerate(plan.members):
+            body = self._pod(plan, index, hosts[member.node_id])
+            self._create(self.core.create_namespaced_pod, ns, body)
+            names.add(body["metadata"]["name"])
+
+        def all_ready(pods: Pods) -> bool | None:
+            ended = [p.metadata.name for p in pods.values() if p.status.phase in _ENDED]
+            gone = names - pods.keys()
+            if ended or gone:
+                raise GangFailed(f"pods ended or vanished before the start: {ended or gone}")
+            return all(_ready(p) for p in pods.values()) or None
+
+        selector = _selector(plan.job, plan.generation)
+        try:
+            ready, pods = self._wait_pods(ns, selector, all_ready, deadline)
+            if not ready:
+                stuck = [f"{n} ({why_stuck(p)})" for n, p in sorted(pods.items()) if not _ready(p)]
+                raise GangFailed(
+                    f"not Running and Ready after {self.gang_timeout_s:g}s: {'; '.join(stuck)}"
+                )
+        except GangFailed as err:
+            self._delete_pods(ns, names, grace_s=0)
+            raise ApplicationError(
+                f"gang start of {plan.job} generation {plan.generation} rolled back: {err}",
+                type=GANG_ERROR,
+            ) from None
+
+    @activity.defn(name=contract.STOP_GENERATION)
+    @_config_errors
+    def stop_generation(self, req: StopRequest) -> StopResult:
+        """Pods on lost nodes go at once; if graceful, raise the elastic event on the others,
+        wait up to `grace_s` for their acks, then delete them with that grace period."""
+        ns = self._ns(req.job)
+        selector = _selector(req.job, req.generation)
+        store = JobStore(req.checkpoint)
+        pods = self.core.list_namespaced_pod(ns, label_selector=selector).items
+        lost = {
+            p.metadata.name for p in pods if p.metadata.annotations[NODE_ID] in req.lost_node_ids
+        }
+        self._delete_pods(ns, lost, grace_s=0)
+        rest = [p for p in pods if p.metadata.name not in lost]
+        expected = {r for p in rest if p.status.phase not in _ENDED for r in _ranks(p)}
+        if req.graceful and expected:
+            for pod in rest:
+                self.core.patch_namespaced_pod(
+                    pod.metadata.name,
+                    ns,
+                    {"metadata": {"annotations": {CONTROL: STOP}}},
+                    _content_type=MERGE_PATCH,
+                )
+            ack_deadline = time.monotonic() + req.grace_s
+            while not expected <= set(store.acked_ranks(req.generation)):
+                if time.monotonic() >= ack_deadline:
+                    break
+                activity.heartbeat()
+                time.sleep(self.ack_poll_s)
+        acked = store.acked_ranks(req.generation)
+        grace = math.ceil(req.grace_s) if req.graceful else 0
+        self._delete_pods(ns, {p.metadata.name for p in rest}, grace_s=grace)
+        self._wait_pods(ns, selector, lambda pods: not pods or None, time.monotonic() + grace + 30)
+        latest = store.latest_checkpoint()
+        return StopResult(
+            acked_ranks=acked,
+            checkpoint_step=latest["step"] if latest else None,
+            forced=bool(expected - set(acked)),
+        )
+
+    @activity.defn(name=contract.WATCH_GENERATION)
+    @_config_errors
+    def watch_generation(self, req: WatchRequest) -> WatchResult:
+        """Return `failed` as soon as a pod fails, vanishes or loses its node, `completed` when
+        every pod Succeeded after the done marker, else `progress` after `report_after_s`."""
+        ns = self._ns(req.job)
+        store = JobStore(req.checkpoint)
+
+        def verdict(pods: Pods) -> WatchResult | None:
+            codes = {int(p.metadata.labels[RANK]): _exit_code(p) for p in pods.values()}
+            exited = {rank: code for rank, code in codes.items() if code is not None}
+            if any((p.metadata.annotations or {}).get(CONTROL) for p in pods.values()):
+                return None  # being stopped: stop_generation owns the outcome
+            if not pods:
+                return WatchResult(outcome="failed", detail="no pods left in the generation")
+            if any(exited.values()):
+                bad = {r: c for r, c in exited.items() if c}
+                return WatchResult(outcome="failed", exit_codes=exited, detail=f"exit {bad}")
+            expected = int(next(iter(pods.values())).metadata.annotations[MEMBERS])
+            if len(pods) < expected:
+                detail = f"{expected - len(pods)} pod(s) vanished"
+                return WatchResult(outcome="failed", exit_codes=exited, detail=detail)
+            gone = self._gone_nodes(pods)
+            if gone:
+                return WatchResult(
+                    outcome="failed", exit_codes=exited, detail=f"node(s) gone: {gone}"
+                )
+            if len(exited) == len(pods):
+                if store.done():
+                    return WatchResult(outcome="completed", exit_codes=exited, **_steps(store, req))
+                return WatchResult(
+                    outcome="failed", exit_codes=exited, detail="exited 0 without done marker"
+                )
+            return None
+
+        deadline = time.monotonic() + req.report_after_s
+        result, _ = self._wait_pods(
+            ns, _selector(req.job, req.generation), verdict, deadline, periodic=True
+        )
+        return result or WatchResult(outcome="progress", **_steps(store, req))
+
+    @activity.defn(name=contract.CLEANUP_JOB)
+    @_config_errors
+    def cleanup_job(self, req: CleanupRequest) -> None:
+        """Delete the job's pods, Service and ConfigMaps; with `keep`, Failed pods stay."""
+        ns = self._ns(req.job)
+        selector = _selector(req.job)
+        pods = self.core.list_namespaced_pod(ns, label_selector=selector).items
+        doomed = {p.metadata.name for p in pods if not (req.keep and p.status.phase == "Failed")}
+        self._delete_pods(ns, doomed, grace_s=None)
+        for svc in self.core.list_namespaced_service(ns, label_selector=selector).items:
+            _absent(self.core.delete_namespaced_service, svc.metadata.name, ns)
+        for cm in self.core.list_namespaced_config_map(ns, label_selector=selector).items:
+            _absent(self.core.delete_namespaced_config_map, cm.metadata.name, ns)
+
+    # --- objects ---------------------------------------------------------------------------
+
+    def _pod(self, plan: GenerationPlan, index: int, hostname: str) -> dict[str, Any]:
+        member = plan.members[index]
+        name = pod_name(plan.job, plan.generation, index)
+        ns = self._ns(plan.job)
+        env = rank_env(plan, index, 0, master_port=self.master_port, control_file=CONTROL_PATH)
+        env["MASTER_ADDR"] = (
+            f"{pod_name(plan.job, plan.generation, 0)}.{service_name(plan.job)}.{ns}.svc"
+        )
+        mounts = [{"name": "control", "mountPath": CONTROL_DIR, "readOnly": True}]
+        volumes: list[dict[str, Any]] = [
+            {
+                "name": "control",
+                "downwardAPI": {
+                    "items": [
+                        {
+                            "path": CONTROL_PATH.rsplit("/", 1)[1],
+                            "fieldRef": {"fieldPath": f"metadata.annotations['{CONTROL}']"},
+                        }
+                    ]
+                },
+            }
+        ]
+        if plan.job_type == "horovod":
+            env[HOSTFILE_ENV] = f"{HOSTS_DIR}/hostfile"
+            env[DISCOVER_HOSTS_ENV] = f"{HOSTS_DIR}/discover_hosts.sh"
+            mounts.append({"name": "hosts", "mountPath": HOSTS_DIR, "readOnly": True})
+            volumes.append(
+                {"name": "hosts", "configMap": {"name": hosts_name(plan.job), "defaultMode": 0o755}}
+            )
+        container: dict[str, Any] = {
+            "name": "worker",
+            "image": plan.image,
+            "command": plan.command,
+            "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+            "ports": [{"name": "rendezvous", "containerPort": self.master_port}],
+            "volumeMounts": mounts,
+        }
+        if plan.gpus_per_proc:
+            gpus = str(plan.gpus_per_proc * member.procs)
+            container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+        first_rank = sum(m.procs for m in plan.members[:index])
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "labels": {
+                    **_labels(plan.job),
+                    GENERATION: str(plan.generation),
+                    RANK: str(first_rank),
+                },
+                "annotations": {
+                    NODE_ID: member.node_id,
+                    PROCS: str(member.procs),
+                    MEMBERS: str(len(plan.members)),
+                },
+            },
+            "spec": {
+                "restartPolicy": "Never",
+                "hostname": name,
+                "subdomain": service_name(plan.job),
+                "nodeSelector": {"kubernetes.io/hostname": hostname},
+                "tolerations": [dict(t) for t in self.tolerations],
+                "automountServiceAccountToken": False,
+                "containers": [container],
+                "volumes": volumes,
+            },
+        }
+
+    def _service(self, job: str) -> dict[str, Any]:
+        """Headless, publishing not-ready pods: rendezvous needs DNS before readiness."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": service_name(job), "labels": _labels(job)},
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": {JOB: job},
+                "ports": [{"name": "rendezvous", "port": self.master_port}],
+            },
+        }
+
+    def _put_hosts(self, ns: str, plan: GenerationPlan) -> None:
+        """Create or update the hostfile ConfigMap: running pods see the new members."""
+        dns = [
+            f"{pod_name(plan.job, plan.generation, i)}.{service_name(plan.job)}.{ns}.svc"
+            for i in range(len(plan.members))
+        ]
+        slots = [m.procs for m in plan.members]
+        listing = "".join(f"{host}:{n}\n" for host, n in zip(dns, slots, strict=True))
+        data = {
+            "hostfile": "".join(f"{host} slots={n}\n" for host, n in zip(dns, slots, strict=True)),
+            "discover_hosts.sh": f"#!/bin/sh\ncat <<'EOF'\n{listing}EOF\n",
+        }
+        labels = {**_labels(plan.job), GENERATION: str(plan.generation)}
+        body = {"metadata": {"name": hosts_name(plan.job), "labels": labels}, "data": data}
+        try:
+            self.core.create_namespaced_config_map(ns, body)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+            self.core.patch_namespaced_config_map(
+                hosts_name(plan.job), ns, body, _content_type=MERGE_PATCH
+            )
+
+    # --- API helpers -----------------------------------------------------------------------
+
+    @staticmethod
+    def _create(create: Callable[..., Any], ns: str, body: dict[str, Any]) -> None:
+        """Create-or-get: AlreadyExists means an earlier attempt already did it."""
+        try:
+            create(ns, body)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+
+    def _delete_pods(self, ns: str, names: set[str], grace_s: int | None) -> None:
+        for name in sorted(names):
+            _absent(self.core.delete_namespaced_pod, name, ns, grace_period_seconds=grace_s)
+
+    def _node_hostnames(self, node_ids: list[str], deadline: float) -> dict[str, str]:
+        """Instance id -> node hostname label, waiting (until `deadline`) for nodes to join."""
+        while True:
+            hosts = {}
+            for node in self.core.list_node().items:
+                labels = node.metadata.labels or {}
+                hosts[instance_id(node)] = labels.get("kubernetes.io/hostname", node.metadata.name)
+            missing = [n for n in node_ids if n not in hosts]
+            if not missing:
+                return {n: hosts[n] for n in node_ids}
+            if time.monotonic() >= deadline:
+                raise ApplicationError(
+                    f"node(s) {missing} did not join the cluster in {self.gang_timeout_s:g}s",
+                    type=GANG_ERROR,
+                )
+            activity.heartbeat()
+            time.sleep(self.watch_s)
+
+    def _gone_nodes(self, pods: Pods) -> list[str]:
+        gone = []
+        for node in sorted({p.spec.node_name for p in pods.values() if p.spec.node_name}):
+            try:
+                self.core.read_node(node)
+            except ApiException as err:
+                if err.status != 404:
+                    raise
+                gone.append(node)
+        return gone
+
+    def _wait_pods(
+        self,
+        ns: str,
+        selector: str,
+        decide: Callable[[Pods], T | None],
+        deadline: float,
+        *,
+        periodic: bool = False,
+    ) -> tuple[T | None, Pods]:
+        """List the pods, then watch them from the list's resourceVersion until `decide`
+        returns non-None or `deadline` passes. `decide` runs on every change (and, with
+        `periodic`, every `watch_s` too, for what pods' events do not show: nodes going)."""
+        listing = self.core.list_namespaced_pod(ns, label_selector=selector)
+        pods: Pods = {p.metadata.name: p for p in listing.items}
+        version = listing.metadata.resource_version
+        result = decide(pods)
+        while result is None:
+            activity.heartbeat()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            timeout = max(1, min(self.watch_s, math.ceil(left)))
+            events = watch.Watch().stream(
+                self.core.list_namespaced_pod,
+                ns,
+                label_selector=selector,
+                resource_version=version,
+                timeout_seconds=timeout,
+                _request_timeout=timeout + 10,
+            )
+            for event in events:
+                pod = event["object"]
+                version = pod.metadata.resource_version
+                if event["type"] == "DELETED":
+                    pods.pop(pod.metadata.name, None)
+                else:
+                    pods[pod.metadata.name] = pod
+                activity.heartbeat()
+                result = decide(pods)
+                if result is not None:
+                    break
+            else:
+                if periodic:
+                    result = decide(pods)
+        return result, pods
+
+
+_ENDED = ("Succeeded", "Failed")
+
+
+def _labels(job: str) -> dict[str, str]:
+    return {MANAGED: "true", JOB: job}
+
+
+def _selector(job: str, generation: int | None = None) -> str:
+    selector = f"{MANAGED}=true,{JOB}={job}"
+    return selector if generation is None else f"{selector},{GENERATION}={generation}"
+
+
+def _absent(delete: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Delete-if-present: NotFound means it is already gone."""
+    try:
+        delete(*args, **kwargs)
+    except ApiException as err:
+        if err.status != 404:
+            raise
+
+
+def _steps(store: JobStore, req: WatchRequest) -> dict[str, int | None]:
+    progress = store.progress(req.generation)
+    latest = store.latest_checkpoint()
+    return {
+        "step": progress["step"] if progress else None,
+        "checkpoint_step": latest["step"] if latest else None,
+    }
