@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.local import LocalRuntime
@@ -19,6 +20,7 @@ from spotrain.workflows.contract import (
     WatchRequest,
     WatchResult,
 )
+from spotrain.workflows.spec import parse_spec
 
 pytest.importorskip("torch")
 
@@ -133,3 +135,10 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
     ref_losses = [e["loss"] for e in records(tmp_path, 0, job="ref")[0]]
     assert losses[: resized_at + 20] == pytest.approx(ref_losses, rel=1e-3)
     assert not any(r.alive() for g in (0, 1) for r in rt._ranks("ddp", g))
+
+
+def test_example_job_spec_validates_and_runs_this_script() -> None:
+    spec = parse_spec(yaml.safe_load((EXAMPLE.parent / "job.yaml").read_text()))
+    assert spec.command[-1] == "examples/train_ddp.py"
+    assert (EXAMPLE.parent.parent / spec.command[-1]).resolve() == EXAMPLE
+    assert spec.global_batch_size and spec.elastic.min_nodes < spec.elastic.max_nodes

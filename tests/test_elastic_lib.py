@@ -1,0 +1,137 @@
+"""The training library in this process, with the environment the runtimes really build
+(worker_env.rank_env), against a file store and against S3 (moto's server on loopback)."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from spotrain.activities import worker_env
+from spotrain.activities.store import JobStore
+from spotrain.workers import elastic
+from spotrain.workflows.contract import GenerationPlan, Member
+
+
+@pytest.fixture(autouse=True)
+def fresh_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The library caches per process (one rank = one process); a test is a new 'process'."""
+    monkeypatch.setattr(elastic, "_control", elastic._ControlFile())
+    monkeypatch.setattr(elastic, "_last_progress", 0.0)
+    elastic.settings.cache_clear()
+    elastic.store.cache_clear()
+    yield
+    elastic.settings.cache_clear()
+    elastic.store.cache_clear()
+
+
+def as_rank(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, checkpoint: str | None = None
+) -> Path:
+    """Set this process's environment to rank `rank` of a 2-node x 2-proc generation."""
+    plan = GenerationPlan(
+        job="lib",
+        generation=3,
+        members=[Member(node_id=n, address="10.0.0.1", procs=2) for n in ("i-a", "i-b")],
+        command=["train"],
+        checkpoint=checkpoint or f"file://{tmp_path}/store",
+        scale_config={"lr": 0.1},
+        global_batch_size=10,
+        total_steps=100,
+    )
+    control = tmp_path / "control"
+    node, local = divmod(rank, 2)
+    env = worker_env.rank_env(plan, node, local, master_port=29500, control_file=str(control))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return control
+
+
+def test_settings_follow_the_runtime_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    as_rank(monkeypatch, tmp_path, rank=3)
+    s = elastic.settings()
+    assert (s.job, s.generation, s.rank, s.local_rank, s.world_size) == ("lib", 3, 3, 1, 4)
+    assert (s.node_id, s.total_steps, s.scale_config) == ("i-b", 100, {"lr": 0.1})
+    # 10 over 4 ranks: 2, 2, 3, 3; rank 3 takes the last 3 positions of each global batch.
+    assert (s.global_batch_size, s.local_batch_size) == (10, 3)
+    assert s.batch_slice() == range(7, 10)
+
+
+def test_batch_slices_tile_the_global_batch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    slices = []
+    for rank in range(4):
+        as_rank(monkeypatch, tmp_path, rank)
+        elastic.settings.cache_clear()
+        s = elastic.settings()
+        assert len(s.batch_slice()) == s.local_batch_size
+        slices.append(s.batch_slice())
+    assert [p for sl in slices for p in sl] == list(range(10))
+
+
+def test_elastic_event_reads_the_file_only_when_it_changes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    control = as_rank(monkeypatch, tmp_path, rank=0)
+    opened: list[Any] = []
+    real_open = builtins.open
+
+    def counting_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+        opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    assert not elastic.elastic_event_detected()  # no file yet: no event
+    control.write_text("")
+    assert not elastic.elastic_event_detected()  # empty (Kubernetes: no annotation)
+    for _ in range(100):
+        assert not elastic.elastic_event_detected()
+    assert opened == [str(control)]  # read once, then only stat'ed
+
+    control.write_text("stop")
+    os.utime(control, ns=(1, 1))  # a different mtime even on coarse-clock filesystems
+    assert elastic.elastic_event_detected()
+    control.unlink()
+    assert elastic.elastic_event_detected()  # latched: the generation is stopping
+
+
+def test_acks_progress_and_markers_go_to_the_store(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    as_rank(monkeypatch, tmp_path, rank=1)
+    store = JobStore(f"file://{tmp_path}/store")
+    elastic.report_progress(5, force=True)
+    elastic.mark_checkpoint(5, "/ckpt/5")
+    elastic.mark_done(5)
+    assert store.progress(3) is None and store.latest_checkpoint() is None  # rank 0's job
+    assert store.done() is None
+    elastic.ack_checkpoint(5)
+    assert store.acked_ranks(3) == [1]
+
+    elastic.settings.cache_clear()
+    as_rank(monkeypatch, tmp_path, rank=0)
+    elastic.report_progress(6)
+    elastic.report_progress(7)  # within a second of the last: throttled
+    assert store.progress(3)["step"] == 6
+    elastic.report_progress(8, force=True)
+    assert store.progress(3)["step"] == 8
+    elastic.mark_checkpoint(8, "/ckpt/8")
+    assert elastic.latest_checkpoint() == {"step": 8, "path": "/ckpt/8"}
+    elastic.mark_done(10)
+    assert store.done()["step"] == 10 and store.progress(3)["step"] == 10
+
+
+def test_acks_reach_s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, moto_endpoint: str) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket="lib-acks")
+    as_rank(monkeypatch, tmp_path, rank=2, checkpoint="s3://lib-acks/jobs/lib")
+    elastic.ack_checkpoint(40)
+    assert JobStore("s3://lib-acks/jobs/lib").acked_ranks(3) == [2]
