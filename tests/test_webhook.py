@@ -12,7 +12,10 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -399,16 +402,22 @@ async def test_health_readiness_and_metrics(hook: Webhook) -> None:
 # --- queue mode ------------------------------------------------------------------------------
 
 
+EVENTBRIDGE = Path(__file__).parents[1] / "infra" / "aws" / "eventbridge"
+PROVIDER_MIRROR = Path(os.environ.get("SPOTRAIN_TF_PLUGIN_DIR", "/opt/tf-plugins"))
+
+
 @pytest.fixture
 def queue(moto_endpoint: str) -> tuple[Any, str]:
-    """An SQS queue fed by an EventBridge rule on EC2 events, as infra/aws/eventbridge sets up."""
+    """An SQS queue fed by EventBridge rules with infra/aws/eventbridge's event patterns."""
     sqs = boto3.client("sqs", endpoint_url=moto_endpoint, region_name="us-east-1")
     events = boto3.client("events", endpoint_url=moto_endpoint, region_name="us-east-1")
     name = f"reclaims-{uuid.uuid4().hex[:8]}"
     url = sqs.create_queue(QueueName=name)["QueueUrl"]
     arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]
-    events.put_rule(Name=name, EventPattern=json.dumps({"source": ["aws.ec2"]}))
-    events.put_targets(Rule=name, Targets=[{"Id": "q", "Arn": arn["QueueArn"]}])
+    for pattern in sorted((EVENTBRIDGE / "patterns").glob("*.json")):
+        rule = f"{name}-{pattern.stem}"
+        events.put_rule(Name=rule, EventPattern=pattern.read_text())
+        events.put_targets(Rule=rule, Targets=[{"Id": "q", "Arn": arn["QueueArn"]}])
     return sqs, url
 
 
@@ -433,6 +442,9 @@ async def test_sqs_poller_deletes_only_handled_messages(
     job = await jobs.start("i-0sqs1")
     put_ec2_event(moto_endpoint, INTERRUPTION, {"instance-id": "i-0sqs1"})
     put_ec2_event(moto_endpoint, STATE_CHANGE, {"instance-id": "i-0sqs1", "state": "terminated"})
+    put_ec2_event(moto_endpoint, STATE_CHANGE, {"instance-id": "i-0sqs1", "state": "running"})
+    put_ec2_event(moto_endpoint, "EC2 AMI State Change", {"ImageId": "ami-1"})
+    assert queued(sqs, url) == 2  # the rules' patterns let only reclaim-relevant events in
     sqs.send_message(QueueUrl=url, MessageBody="not json")
     poller = SqsPoller(sqs, url, hook.service.dispatcher, wait_s=1, visibility_s=30)
     assert await poller.poll_once() == 3
@@ -553,3 +565,18 @@ def test_openapi_describes_the_routes_and_the_plain_form(hook: Webhook) -> None:
     assert described == served
     plain = spec["components"]["schemas"]["PlainReclaim"]["properties"]
     assert set(plain) == set(PlainReclaim.model_fields)
+
+
+@pytest.mark.skipif(not shutil.which("terraform"), reason="terraform not installed")
+def test_terraform_is_formatted_and_valid(tmp_path: Path) -> None:
+    """Offline: `terraform fmt`, and `validate` when the AWS provider is in a local mirror."""
+    fmt = subprocess.run(["terraform", "fmt", "-check", "-recursive", str(EVENTBRIDGE)])
+    assert fmt.returncode == 0
+    if not PROVIDER_MIRROR.is_dir():
+        pytest.skip(f"no provider mirror at {PROVIDER_MIRROR}: validate needs the AWS provider")
+    module = shutil.copytree(EVENTBRIDGE, tmp_path / "eventbridge")
+    tf = ["terraform", f"-chdir={module}"]
+    init = [*tf, "init", "-backend=false", "-input=false", f"-plugin-dir={PROVIDER_MIRROR}"]
+    subprocess.run(init, check=True, capture_output=True)
+    validate = subprocess.run([*tf, "validate", "-json"], capture_output=True, text=True)
+    assert json.loads(validate.stdout)["valid"], validate.stdout
