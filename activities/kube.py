@@ -245,14 +245,18 @@ class KubeRuntime:
     @activity.defn(name=contract.STOP_GENERATION)
     @_config_errors
     def stop_generation(self, req: StopRequest) -> StopResult:
-        """Pods on lost nodes go at once; if graceful, raise the elastic event on the others,
-        wait up to `grace_s` for their acks, then delete them with that grace period."""
+        """Pods on lost nodes (named in the request, or whose Node object is gone) go at once;
+        if graceful, raise the elastic event on the others, wait up to `grace_s` for their
+        acks, then delete them with that grace period. Returns once the pods are gone."""
         ns = self._ns(req.job)
         selector = _selector(req.job, req.generation)
         store = JobStore(req.checkpoint)
         pods = self.core.list_namespaced_pod(ns, label_selector=selector).items
+        gone = set(self._gone_nodes({p.metadata.name: p for p in pods}))
         lost = {
-            p.metadata.name for p in pods if p.metadata.annotations[NODE_ID] in req.lost_node_ids
+            p.metadata.name
+            for p in pods
+            if p.metadata.annotations[NODE_ID] in req.lost_node_ids or p.spec.node_name in gone
         }
         self._delete_pods(ns, lost, grace_s=0)
         rest = [p for p in pods if p.metadata.name not in lost]

@@ -22,7 +22,7 @@ from kubernetes import client
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from spotrain.activities.kube import CONTROL, KubeRuntime
+from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.store import JobStore
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -155,11 +155,16 @@ def test_gang_timeout_rolls_back_and_names_stuck_pods(
     kube.remove_node("ip-10-0-0-3")
     kube.add_node("ip-10-0-0-3", "i-0ccc", taints=[{"key": "gpu", "effect": "NoSchedule"}])
     kube.kubelet_faults["ip-10-0-0-2"] = ("ErrImagePull", "registry unreachable")
+    beats: list[float] = []
+    env = ActivityEnvironment()
+    env.on_heartbeat = lambda *_: beats.append(time.monotonic())
     t0 = time.monotonic()
     with pytest.raises(ApplicationError) as info:
-        run(runtime.start_generation, plan_for(ckpt))
+        env.run(runtime.start_generation, plan_for(ckpt))
     took = time.monotonic() - t0
     assert 3 <= took < 5, took
+    gaps = [b - a for a, b in zip([t0, *beats], [*beats, t0 + took], strict=True)]
+    assert max(gaps) < 1.5, f"heartbeats at least every watch_s=1s, got gaps {gaps}"
     msg = str(info.value)
     assert info.value.type == "GangStartError"
     assert "mnist-g1-0" not in msg  # it was Running and Ready
@@ -169,11 +174,13 @@ def test_gang_timeout_rolls_back_and_names_stuck_pods(
     assert ("pods", "mnist-g1-0", 0) in kube.deletes
 
 
-def test_node_that_never_joins_fails_the_gang(runtime: KubeRuntime, ckpt: str) -> None:
+def test_node_that_never_joins_fails_the_gang(kube: KubeDouble, ckpt: str) -> None:
+    runtime = KubeRuntime(NS, kube.api_client(), gang_timeout_s=1, watch_s=1)
     plan = plan_for(ckpt, nodes=1)
     plan.members[0].node_id = "i-0fff"
     with pytest.raises(ApplicationError, match=r"i-0fff'\] did not join the cluster"):
         run(runtime.start_generation, plan)
+    assert ("create", "pods") not in kube.calls
 
 
 def test_retried_create_is_idempotent(kube: KubeDouble, runtime: KubeRuntime, ckpt: str) -> None:
@@ -261,6 +268,17 @@ def test_lost_node_pods_go_at_once_the_rest_gracefully(
     assert sorted(kube.deletes[1:]) == [("pods", "mnist-g1-0", 5), ("pods", "mnist-g1-2", 5)]
     assert ("pods", "mnist-g1-1", "application/merge-patch+json") not in kube.patches
     assert result.acked_ranks == [0, 2] and not result.forced
+
+
+def test_pods_on_a_vanished_node_are_lost_without_being_named(
+    kube: KubeDouble, runtime: KubeRuntime, ckpt: str
+) -> None:
+    run(runtime.start_generation, plan_for(ckpt))
+    kube.remove_node("ip-10-0-0-1")
+    _ack_on_stop(kube, ckpt, {"mnist-g1-1": [1], "mnist-g1-2": [2]})
+    result = run(runtime.stop_generation, stop_request(ckpt, grace_s=2))
+    assert kube.deletes[0] == ("pods", "mnist-g1-0", 0)
+    assert result.acked_ranks == [1, 2] and not result.forced
 
 
 def watch_request(ckpt: str, report_after_s: float = 10) -> WatchRequest:
