@@ -186,12 +186,9 @@ class LocalRuntime:
         fd, tmp = tempfile.mkstemp(dir=gdir, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
             f.write(str(_free_port()))
-        try:
+        with contextlib.suppress(FileExistsError):
             os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
+        os.unlink(tmp)
         return int(path.read_text())
 
     # --- activities ----------------------------------------------------------------------
@@ -216,6 +213,9 @@ class LocalRuntime:
                 self._launch(r, plan.command, env, member.node_id)
 
     def _launch(self, r: Rank, command: list[str], env: dict[str, str], node_id: str) -> None:
+        """Start the rank's launcher and record it. A controller crash between the two lines
+        (microseconds) would let the retry start the rank twice: DDP then fails the generation.
+        Workers inherit the controller's environment (PATH, cloud credentials for S3)."""
         with r.log_file.open("ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, str(LAUNCHER), str(r.exit_file), "--", *command],
@@ -247,7 +247,8 @@ class LocalRuntime:
             for r in survivors:
                 r.signal(signal.SIGTERM, group=False)
             self._wait(lambda: not any(r.alive() for r in survivors), self.term_grace_s)
-        forced = self._kill(survivors) or forced
+        self._kill(survivors)
+        forced = forced or bool(survivors)
         latest = store.latest_checkpoint()
         return StopResult(
             acked_ranks=store.acked_ranks(req.generation),
