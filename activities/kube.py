@@ -112,6 +112,11 @@ def service_name(job: str) -> str:
     return f"spotrain-{job}"
 
 
+def pod_dns(job: str, generation: int, index: int, ns: str) -> str:
+    """The pod's name in the headless Service's DNS (hostname.subdomain.namespace.svc)."""
+    return f"{pod_name(job, generation, index)}.{service_name(job)}.{ns}.svc"
+
+
 def hosts_name(job: str) -> str:
     return f"spotrain-{job}-hosts"
 
@@ -346,11 +351,8 @@ class KubeRuntime:
     def _pod(self, plan: GenerationPlan, index: int, hostname: str) -> dict[str, Any]:
         member = plan.members[index]
         name = pod_name(plan.job, plan.generation, index)
-        ns = self._ns(plan.job)
         env = rank_env(plan, index, 0, master_port=self.master_port, control_file=CONTROL_PATH)
-        env["MASTER_ADDR"] = (
-            f"{pod_name(plan.job, plan.generation, 0)}.{service_name(plan.job)}.{ns}.svc"
-        )
+        env["MASTER_ADDR"] = pod_dns(plan.job, plan.generation, 0, self._ns(plan.job))
         mounts = [{"name": "control", "mountPath": CONTROL_DIR, "readOnly": True}]
         volumes: list[dict[str, Any]] = [
             {
@@ -428,10 +430,7 @@ class KubeRuntime:
 
     def _put_hosts(self, ns: str, plan: GenerationPlan) -> None:
         """Create or update the hostfile ConfigMap: running pods see the new members."""
-        dns = [
-            f"{pod_name(plan.job, plan.generation, i)}.{service_name(plan.job)}.{ns}.svc"
-            for i in range(len(plan.members))
-        ]
+        dns = [pod_dns(plan.job, plan.generation, i, ns) for i in range(len(plan.members))]
         slots = [m.procs for m in plan.members]
         listing = "".join(f"{host}:{n}\n" for host, n in zip(dns, slots, strict=True))
         data = {

@@ -8,19 +8,25 @@ heartbeats); the checkpoint store is real files under tmp_path.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import yaml
 from kubernetes import client
+from temporalio import workflow
+from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
-from temporalio.testing import ActivityEnvironment
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.store import JobStore
@@ -31,6 +37,7 @@ from spotrain.workflows.contract import (
     Member,
     StopRequest,
     WatchRequest,
+    WatchResult,
 )
 from tests.kube_double import KubeDouble
 
@@ -76,6 +83,16 @@ def run(fn: Callable[..., R], *args: Any) -> R:
 
 def in_thread(fn: Callable[..., R], *args: Any) -> Future[R]:
     return ThreadPoolExecutor(1).submit(run, fn, *args)
+
+
+def assert_valid(kind: type, obj: dict[str, Any] | None) -> None:
+    """What the runtime sent is a valid object of the client's models (no unknown field)."""
+    assert obj is not None
+    sent = {k: v for k, v in obj.items() if k != "status"}  # less what the server added
+    sent["metadata"] = {
+        k: v for k, v in obj["metadata"].items() if k not in ("uid", "creationTimestamp")
+    }
+    assert client.ApiClient().sanitize_for_serialization(kind.from_dict(sent)) == sent
 
 
 def env_of(pod: dict[str, Any]) -> dict[str, str]:
@@ -128,7 +145,9 @@ def test_gang_start_waits_for_every_pod_ready(
     assert env["WORLD_SIZE"] == "3" and env["RANK"] == "1" and env["NODE_RANK"] == "1"
     assert env["MASTER_ADDR"] == "mnist-g1-0.spotrain-mnist.spotrain.svc"
     assert env["SPOTRAIN_CONTROL_FILE"] == "/etc/spotrain/control"
+    assert_valid(client.V1Pod, pod)
     svc = kube.get("services", NS, "spotrain-mnist")
+    assert_valid(client.V1Service, svc)
     assert svc is not None and svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"] == {"spotrain.io/job": JOB}
     assert pod["spec"]["hostname"] == "mnist-g1-1" and pod["spec"]["subdomain"] == "spotrain-mnist"
@@ -340,6 +359,7 @@ def test_watch_fails_when_the_node_is_gone(
 
 def hostfile_hosts(kube: KubeDouble) -> list[str]:
     cm = kube.get("configmaps", NS, "spotrain-mnist-hosts")
+    assert_valid(client.V1ConfigMap, cm)
     assert cm is not None
     script = cm["data"]["discover_hosts.sh"]
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True)
@@ -429,3 +449,60 @@ def test_rbac_grants_exactly_the_calls_the_runtime_makes(
     run(runtime.stop_generation, stop_request(ckpt, lost_node_ids=["i-0aaa"]))
     run(runtime.cleanup_job, CleanupRequest(job=JOB))
     assert set(kube.calls) == granted(ROOT / "infra/k8s/rbac.yaml")
+
+
+@workflow.defn
+class KubeProbe:
+    """Calls the runtime's activities by their contract names, as TrainingJob does."""
+
+    @workflow.run
+    async def run(self, plan: GenerationPlan) -> WatchResult:
+        opts: dict[str, Any] = {
+            "start_to_close_timeout": timedelta(seconds=30),
+            "heartbeat_timeout": timedelta(seconds=5),
+        }
+        await workflow.execute_activity(contract.START_GENERATION, plan, **opts)
+        watch = WatchRequest(
+            job=plan.job,
+            generation=plan.generation,
+            world_size=plan.world_size,
+            checkpoint=plan.checkpoint,
+            report_after_s=20,
+        )
+        result = await workflow.execute_activity(
+            contract.WATCH_GENERATION, watch, result_type=WatchResult, **opts
+        )
+        await workflow.execute_activity(contract.CLEANUP_JOB, CleanupRequest(job=plan.job), **opts)
+        return result
+
+
+async def pending_activities(handle: WorkflowHandle[Any, Any]) -> list[str]:
+    desc = await handle.describe()
+    return [a.activity_type.name for a in desc.raw_description.pending_activities]
+
+
+async def test_activities_run_in_a_temporal_worker(
+    dev_env: WorkflowEnvironment, kube: KubeDouble, runtime: KubeRuntime, ckpt: str
+) -> None:
+    """Registration, the pydantic data converter and the thread pool, on the real dev server."""
+    queue = uuid.uuid4().hex
+    with ThreadPoolExecutor(4) as pool:
+        async with Worker(
+            dev_env.client,
+            task_queue=queue,
+            workflows=[KubeProbe],
+            activities=runtime.activities(),
+            activity_executor=pool,
+            workflow_runner=UnsandboxedWorkflowRunner(),
+        ):
+            handle = await dev_env.client.start_workflow(
+                KubeProbe.run, plan_for(ckpt), id=queue, task_queue=queue
+            )
+            while contract.WATCH_GENERATION not in await pending_activities(handle):
+                await asyncio.sleep(0.05)
+            JobStore(ckpt).write_done(step=100, time=time.time())
+            for i in range(3):
+                kube.finish_pod(NS, f"mnist-g1-{i}", 0)
+            result = await asyncio.wait_for(handle.result(), 20)
+    assert result.outcome == "completed"
+    assert kube.list("pods", NS) == [] and kube.list("services", NS) == []
