@@ -157,8 +157,12 @@ class Dispatcher:
             _log(logging.INFO, "ignored", source=source, reason=outcome.reason)
             return []
         signal = "node_lost" if isinstance(outcome, NodeLost) else "reclaim"
-        fields = {"source": source, "kind": kind, "node_id": outcome.node_id}
-        fields["event_id"] = outcome.event_id
+        fields = {
+            "source": source,
+            "kind": kind,
+            "node_id": outcome.node_id,
+            "event_id": outcome.event_id,
+        }
         try:
             workflow_ids = await self._owners(outcome.node_id)
             if not workflow_ids:
