@@ -1,0 +1,517 @@
+"""The EC2 node provider: buy, track and release spot and on-demand nodes with boto3.
+
+Every instance carries ownership tags (on the instance and its volumes, set atomically by
+`run_instances`), and everything here finds instances through them:
+
+    spotrain:managed=true  spotrain:job  spotrain:generation  spotrain:slot
+    spotrain:attempt       spotrain:lifecycle
+
+Idempotency: (job, slot, attempt) names one node. A launch first looks the slot up by tag
+(moto ignores ClientToken), then launches with a ClientToken derived from the same triple
+(AWS honours it), so a launch retried after a crash at any line never buys a second node.
+
+Errors: capacity and quota codes become non-retryable `CAPACITY_ERROR` (the workflow tries the
+next pool, then on-demand), credential and parameter codes `CONFIG_ERROR`; throttling and 5xx
+are retried by botocore ("standard" mode) and then by Temporal. A failed call never turns
+into "gone": only EC2 saying an instance is terminated (or unknown) changes membership.
+
+Credentials and region come from boto3's standard chain; nothing secret crosses the workflow.
+`find_orphans` / `reap` back `spotrain gc`: they terminate tagged instances whose job is not
+running, so a bug can never leave money burning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from itertools import zip_longest
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from spotrain.workflows import contract
+from spotrain.workflows.contract import (
+    DescribeRequest,
+    LaunchRequest,
+    NodeInfo,
+    Offer,
+    ReleaseRequest,
+)
+from spotrain.workflows.spec import SpotPolicy
+
+log = logging.getLogger(__name__)
+
+MANAGED = "spotrain:managed"
+TAG_JOB = "spotrain:job"
+TAG_GENERATION = "spotrain:generation"
+TAG_SLOT = "spotrain:slot"
+TAG_ATTEMPT = "spotrain:attempt"
+TAG_LIFECYCLE = "spotrain:lifecycle"
+
+# This pool cannot serve now: the workflow tries the next pool, then on-demand.
+CAPACITY_CODES = frozenset(
+    {
+        "InsufficientInstanceCapacity",
+        "InsufficientHostCapacity",
+        "InsufficientCapacity",
+        "UnfulfillableCapacity",
+        "SpotMaxPriceTooLow",
+        "MaxSpotInstanceCountExceeded",
+        "InstanceLimitExceeded",
+        "VcpuLimitExceeded",
+        "InsufficientFreeAddressesInSubnet",
+        "Unsupported",  # the type is not offered in this zone
+    }
+)
+# Retrying cannot help: fail the job with a clear message.
+CONFIG_CODES = frozenset(
+    {
+        "AuthFailure",
+        "UnauthorizedOperation",
+        "InvalidClientTokenId",
+        "SignatureDoesNotMatch",
+        "OptInRequired",
+        "InvalidInstanceType.NotFound",
+        "InvalidParameterValue",
+        "InvalidAMIID.NotFound",
+        "InvalidAMIID.Malformed",
+        "InvalidLaunchTemplateName.NotFoundException",
+        "InvalidSubnetID.NotFound",
+        "IdempotentParameterMismatch",
+    }
+)
+NOT_FOUND = "InvalidInstanceID.NotFound"
+RECLAIM_REASON = "Server.SpotInstanceTermination"
+LIVE_STATES = ("pending", "running", "stopping", "stopped")
+POLL_S = 2.0
+LOCAL_AMI_NAME = "al2023-ami-*-x86_64"  # listing all of moto's 1,300 images takes seconds
+
+
+def client_token(job: str, slot: int, attempt: int) -> str:
+    """Stable across retries of one launch, distinct per (job, slot, attempt); max 64 chars."""
+    digest = hashlib.sha256(f"{job}/{slot}/{attempt}".encode()).hexdigest()
+    return f"spotrain-{digest[:48]}"
+
+
+def _tags(instance: Mapping[str, Any]) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in instance.get("Tags", [])}
+
+
+def _instances(ec2: Any, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """All instances matching server-side `filters` (tag and state filters only: moto does not
+    implement `instance-lifecycle` or `client-token`)."""
+    pages = ec2.get_paginator("describe_instances").paginate(Filters=filters)
+    return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+
+
+def _zones(ec2: Any) -> dict[str, str]:
+    """The region's available zones: name -> zone id (placement scores speak in ids)."""
+    zones = ec2.describe_availability_zones(Filters=[{"Name": "state", "Values": ["available"]}])
+    return {z["ZoneName"]: z["ZoneId"] for z in zones["AvailabilityZones"]}
+
+
+def _node(instance: Mapping[str, Any]) -> NodeInfo:
+    """EC2's view of an instance in the contract's terms; lifecycle from EC2, not our tag."""
+    tags = _tags(instance)
+    ec2_state = instance["State"]["Name"]
+    state, reason = {"pending": ("requested", None), "running": ("ready", None)}.get(
+        ec2_state, ("gone", None)
+    )
+    if state == "gone":
+        code = instance.get("StateReason", {}).get("Code", "")
+        reason = "reclaimed" if code == RECLAIM_REASON else "terminated"
+    return NodeInfo(
+        node_id=instance["InstanceId"],
+        slot=int(tags.get(TAG_SLOT, -1)),
+        lifecycle="spot" if instance.get("InstanceLifecycle") == "spot" else "on-demand",
+        instance_type=instance["InstanceType"],
+        zone=instance["Placement"]["AvailabilityZone"],
+        state=state,
+        reason=reason,
+        address=instance.get("PrivateIpAddress") or "",
+    )
+
+
+@contextmanager
+def _typed_errors() -> Iterator[None]:
+    """Turn the errors the workflow acts on into typed non-retryable ApplicationErrors."""
+    try:
+        yield
+    except ClientError as err:
+        code = err.response.get("Error", {}).get("Code", "")
+        message = err.response.get("Error", {}).get("Message", "")
+        for kind, codes in (
+            (contract.CAPACITY_ERROR, CAPACITY_CODES),
+            (contract.CONFIG_ERROR, CONFIG_CODES),
+        ):
+            if code in codes:
+                raise ApplicationError(f"{code}: {message}", type=kind, non_retryable=True) from err
+        raise
+    except (NoCredentialsError, PartialCredentialsError) as err:
+        raise ApplicationError(
+            f"no usable AWS credentials: {err}", type=contract.CONFIG_ERROR, non_retryable=True
+        ) from err
+
+
+class EC2Provider:
+    """The node provider activities over EC2.
+
+    `ami`: image id (default env SPOTRAIN_AMI; against a local endpoint such as moto, the first
+    image EC2 lists). `launch_template`: name of a template carrying network, user data and
+    instance profile for nodes joining the cluster. `subnets`: zone -> subnet id for
+    non-default VPCs. `ready_timeout_s`: a node still pending after this is terminated and the
+    pool reported as out of capacity.
+    """
+
+    def __init__(
+        self,
+        region: str = "us-east-1",
+        endpoint_url: str | None = None,
+        *,
+        ami: str | None = None,
+        launch_template: str | None = None,
+        subnets: Mapping[str, str] | None = None,
+        ready_timeout_s: float = 600.0,
+        max_attempts: int = 5,
+    ) -> None:
+        self.region = region
+        self.endpoint_url = endpoint_url
+        self.ami = ami or os.environ.get("SPOTRAIN_AMI")
+        self.launch_template = launch_template
+        self.subnets = dict(subnets or {})
+        self.ready_timeout_s = ready_timeout_s
+        self._config = Config(retries={"mode": "standard", "total_max_attempts": max_attempts})
+        self._session = boto3.session.Session()
+        self._clients: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._scores_unavailable_logged = False
+
+    def client(self, region: str | None = None) -> Any:
+        """One thread-safe EC2 client per region (the CLI's `gc` uses it too)."""
+        region = region or self.region
+        with self._lock:
+            if region not in self._clients:
+                self._clients[region] = self._session.client(
+                    "ec2", region_name=region, endpoint_url=self.endpoint_url, config=self._config
+                )
+            return self._clients[region]
+
+    def activities(self) -> list[Callable[..., Any]]:
+        return [self.find_offers, self.launch_node, self.describe_nodes, self.release_nodes]
+
+    # --- offers ------------------------------------------------------------------------------
+
+    @activity.defn(name=contract.FIND_OFFERS)
+    def find_offers(self, policy: SpotPolicy) -> list[Offer]:
+        """Spot pools whose current price is within the cap, best first, spread over zones.
+
+        Best: highest placement score (when the API has one), then lowest price per GPU.
+        The list interleaves zones, so taking its first k offers puts k nodes in k zones.
+        """
+        ec2 = self.client(policy.region)
+        types = {t.name: t for t in policy.instance_types}
+        with _typed_errors():
+            zone_ids = _zones(ec2)
+            prices = self._spot_prices(ec2, list(types), policy.zones or list(zone_ids))
+        scores = self._placement_scores(ec2, list(types), policy.region, zone_ids)
+        offers = [
+            Offer(instance_type=name, zone=zone, price=price, score=scores.get(zone))
+            for (name, zone), price in prices.items()
+            if price <= (policy.max_price or types[name].on_demand_price)
+        ]
+        offers.sort(
+            key=lambda o: (-(o.score or 0.0), o.price / max(types[o.instance_type].gpus, 1))
+        )
+        by_zone: dict[str, list[Offer]] = {}
+        for o in offers:
+            by_zone.setdefault(o.zone, []).append(o)
+        return [o for rnd in zip_longest(*by_zone.values()) for o in rnd if o is not None]
+
+    @staticmethod
+    def _spot_prices(ec2: Any, types: list[str], zones: list[str]) -> dict[tuple[str, str], float]:
+        """Latest Linux spot price per (type, zone); pools without a price cannot serve."""
+        pages = ec2.get_paginator("describe_spot_price_history").paginate(
+            InstanceTypes=types,
+            ProductDescriptions=["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
+            StartTime=datetime.now(UTC),
+        )
+        latest: dict[tuple[str, str], tuple[datetime, float]] = {}
+        for page in pages:
+            for p in page["SpotPriceHistory"]:
+                key = (p["InstanceType"], p["AvailabilityZone"])
+                if p["AvailabilityZone"] in zones and (
+                    key not in latest or p["Timestamp"] > latest[key][0]
+                ):
+                    latest[key] = (p["Timestamp"], float(p["SpotPrice"]))
+        return {key: price for key, (_, price) in latest.items()}
+
+    def _placement_scores(
+        self, ec2: Any, types: list[str], region: str, zone_ids: dict[str, str]
+    ) -> dict[str, float]:
+        """Zone -> spot placement score (1-10), or {} where the API is not available (moto,
+        missing permission): scores only refine the order, so go on without them."""
+        zone_names = {zone_id: name for name, zone_id in zone_ids.items()}
+        try:
+            resp = ec2.get_spot_placement_scores(
+                InstanceTypes=types,
+                TargetCapacity=1,
+                SingleAvailabilityZone=True,
+                RegionNames=[region],
+            )
+        except Exception as err:  # optional data: any failure means "no scores"
+            if not self._scores_unavailable_logged:
+                self._scores_unavailable_logged = True
+                log.warning("spot placement scores unavailable, ranking by price only: %s", err)
+            return {}
+        return {
+            zone_names[s["AvailabilityZoneId"]]: float(s["Score"])
+            for s in resp.get("SpotPlacementScores", [])
+            if s.get("AvailabilityZoneId") in zone_names
+        }
+
+    # --- launch ------------------------------------------------------------------------------
+
+    @activity.defn(name=contract.LAUNCH_NODE)
+    def launch_node(self, req: LaunchRequest) -> NodeInfo:
+        """The node for (job, slot, attempt), launched at most once, once it is running.
+
+        A node that dies before it runs (spot reclaimed at once, pending past the timeout)
+        means this pool cannot serve: CAPACITY_ERROR, and the workflow moves on.
+        """
+        ec2 = self.client(req.region)
+        with _typed_errors():
+            instance = self._find_slot(ec2, req) or self._run(ec2, req)
+            return self._wait_ready(ec2, instance["InstanceId"])
+
+    def _find_slot(self, ec2: Any, req: LaunchRequest) -> dict[str, Any] | None:
+        """The slot's instance if an earlier try launched it (any state). Should a race have
+        launched two (moto ignores ClientToken), keep the oldest and terminate the rest."""
+        found = _instances(
+            ec2,
+            [
+                {"Name": f"tag:{TAG_JOB}", "Values": [req.job]},
+                {"Name": f"tag:{TAG_SLOT}", "Values": [str(req.slot)]},
+                {"Name": f"tag:{TAG_ATTEMPT}", "Values": [str(req.attempt)]},
+            ],
+        )
+        if not found:
+            return None
+        keep, *extra = sorted(found, key=lambda i: (i["LaunchTime"], i["InstanceId"]))
+        if extra:
+            ids = [i["InstanceId"] for i in extra]
+            log.warning("slot %s/%s had duplicates %s: terminating them", req.job, req.slot, ids)
+            ec2.terminate_instances(InstanceIds=ids)
+        return keep
+
+    def _run(self, ec2: Any, req: LaunchRequest) -> dict[str, Any]:
+        tags = [
+            {"Key": MANAGED, "Value": "true"},
+            {"Key": TAG_JOB, "Value": req.job},
+            {"Key": TAG_GENERATION, "Value": str(req.generation)},
+            {"Key": TAG_SLOT, "Value": str(req.slot)},
+            {"Key": TAG_ATTEMPT, "Value": str(req.attempt)},
+            {"Key": TAG_LIFECYCLE, "Value": req.lifecycle},
+            {"Key": "Name", "Value": f"spotrain-{req.job}-{req.slot}"},
+        ]
+        params: dict[str, Any] = {
+            "InstanceType": req.instance_type,
+            "MinCount": 1,
+            "MaxCount": 1,
+            "ClientToken": client_token(req.job, req.slot, req.attempt),
+            "TagSpecifications": [
+                {"ResourceType": kind, "Tags": tags} for kind in ("instance", "volume")
+            ],
+        }
+        zone = req.zone or min(_zones(ec2))  # on-demand may leave the zone open
+        params["Placement"] = {"AvailabilityZone": zone}
+        if zone in self.subnets:
+            params["SubnetId"] = self.subnets[zone]
+        if self.launch_template:
+            params["LaunchTemplate"] = {"LaunchTemplateName": self.launch_template}
+        if self.launch_template is None or self.ami:
+            params["ImageId"] = self._image(ec2)
+        if req.lifecycle == "spot":  # on-demand gets no market options at all
+            spot: dict[str, Any] = {
+                "SpotInstanceType": "one-time",
+                "InstanceInterruptionBehavior": "terminate",
+            }
+            if req.max_price is not None:
+                spot["MaxPrice"] = f"{req.max_price:.5f}"
+            params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": spot}
+        instance = ec2.run_instances(**params)["Instances"][0]
+        log.info(
+            "launched %s for %s slot %s (%s %s in %s)",
+            instance["InstanceId"],
+            req.job,
+            req.slot,
+            req.lifecycle,
+            req.instance_type,
+            zone,
+        )
+        return instance
+
+    def _image(self, ec2: Any) -> str:
+        """The configured AMI; against a local endpoint (moto) a stock image, resolved once."""
+        if self.ami is None:
+            if self.endpoint_url is None:
+                raise ApplicationError(
+                    "no AMI configured: set SPOTRAIN_AMI or a launch template",
+                    type=contract.CONFIG_ERROR,
+                    non_retryable=True,
+                )
+            images = ec2.describe_images(Filters=[{"Name": "name", "Values": [LOCAL_AMI_NAME]}])
+            self.ami = images["Images"][0]["ImageId"]
+        return self.ami
+
+    def _wait_ready(self, ec2: Any, instance_id: str) -> NodeInfo:
+        """Poll (heartbeating) until the instance runs; CAPACITY_ERROR if it never will."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            activity.heartbeat(instance_id)
+            try:
+                instance = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"][0][
+                    "Instances"
+                ][0]
+            except ClientError as err:  # a fresh id may not be visible yet (eventual consistency)
+                if err.response["Error"]["Code"] != NOT_FOUND:
+                    raise
+            else:
+                node = _node(instance)
+                if node.state == "ready":
+                    return node
+                if node.state == "gone":
+                    reason = instance.get("StateReason", {}).get("Message", node.reason)
+                    raise ApplicationError(
+                        f"{instance_id} ended before it ran: {reason}",
+                        type=contract.CAPACITY_ERROR,
+                        non_retryable=True,
+                    )
+            if time.monotonic() > deadline:
+                ec2.terminate_instances(InstanceIds=[instance_id])
+                raise ApplicationError(
+                    f"{instance_id} still pending after {self.ready_timeout_s:.0f}s: terminated",
+                    type=contract.CAPACITY_ERROR,
+                    non_retryable=True,
+                )
+            time.sleep(POLL_S)
+
+    # --- track and release -------------------------------------------------------------------
+
+    @activity.defn(name=contract.DESCRIBE_NODES)
+    def describe_nodes(self, req: DescribeRequest) -> list[NodeInfo]:
+        """One NodeInfo per asked id, in order; an id EC2 does not list for this job is gone
+        ("not-found", with placeholder slot/type/zone). Empty `node_ids`: every instance
+        tagged with the job, so the workflow can find nodes a failed launch left behind.
+
+        API errors raise (and are retried): a flapping API never makes a node look gone.
+        """
+        with _typed_errors():
+            found = {
+                i["InstanceId"]: _node(i)
+                for i in _instances(
+                    self.client(req.region), [{"Name": f"tag:{TAG_JOB}", "Values": [req.job]}]
+                )
+            }
+        if not req.node_ids:
+            return list(found.values())
+        return [
+            found.get(node_id)
+            or NodeInfo(
+                node_id=node_id,
+                slot=-1,
+                lifecycle="on-demand",
+                instance_type="unknown",
+                zone="unknown",
+                state="gone",
+                reason="not-found",
+            )
+            for node_id in req.node_ids
+        ]
+
+    @activity.defn(name=contract.RELEASE_NODES)
+    def release_nodes(self, req: ReleaseRequest) -> list[str]:
+        """Terminate the job's nodes among `node_ids` and wait until EC2 confirms they are
+        shutting down. Only instances tagged with this job are touched; unknown ids are fine.
+        Returns the asked ids that belong to the job (all confirmed gone), idempotently."""
+        ec2 = self.client(req.region)
+        asked = set(req.node_ids)
+        while True:
+            activity.heartbeat()
+            with _typed_errors():
+                owned = [
+                    i
+                    for i in _instances(ec2, [{"Name": f"tag:{TAG_JOB}", "Values": [req.job]}])
+                    if i["InstanceId"] in asked
+                ]
+                live = [i["InstanceId"] for i in owned if i["State"]["Name"] in LIVE_STATES]
+                if not live:
+                    return [i["InstanceId"] for i in owned]
+                ec2.terminate_instances(InstanceIds=live)
+            time.sleep(POLL_S / 4)
+
+
+# --- gc: the reaper behind `spotrain gc` ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A spotrain-tagged live instance whose job is not running."""
+
+    instance_id: str
+    job: str
+    state: str
+    instance_type: str
+    zone: str
+    launched: datetime
+
+
+def find_orphans(ec2: Any, is_job_running: Callable[[str], bool]) -> list[Orphan]:
+    """Live spotrain instances whose job is closed or unknown (`is_job_running` False), or that
+    name no job. `is_job_running` is asked once per job; if it raises, nothing is reaped."""
+    running: dict[str, bool] = {}
+    orphans = []
+    for i in _instances(
+        ec2,
+        [
+            {"Name": f"tag:{MANAGED}", "Values": ["true"]},
+            {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+        ],
+    ):
+        job = _tags(i).get(TAG_JOB, "")
+        if job and job not in running:
+            running[job] = is_job_running(job)
+        if not running.get(job, False):
+            orphans.append(
+                Orphan(
+                    instance_id=i["InstanceId"],
+                    job=job,
+                    state=i["State"]["Name"],
+                    instance_type=i["InstanceType"],
+                    zone=i["Placement"]["AvailabilityZone"],
+                    launched=i["LaunchTime"],
+                )
+            )
+    return orphans
+
+
+def reap(ec2: Any, is_job_running: Callable[[str], bool], apply: bool = False) -> list[Orphan]:
+    """Find orphans and, only when `apply`, terminate them. Returns what was (or would be)
+    reaped; the default is a dry run that changes nothing."""
+    orphans = find_orphans(ec2, is_job_running)
+    ids = [o.instance_id for o in orphans]
+    if apply:
+        for start in range(0, len(ids), 500):
+            ec2.terminate_instances(InstanceIds=ids[start : start + 500])
+    log.info("gc: %d orphan(s)%s: %s", len(ids), "" if apply else " (dry run)", ids)
+    return orphans

@@ -1,0 +1,459 @@
+"""The EC2 node provider against moto's EC2 server on a loopback port (real boto3, real HTTP).
+
+Capacity errors, throttling and 5xx are injected by patching moto's EC2 backend in-process
+(tests/ec2_support.py): this is how moto can produce them at all. Activities run under
+temporalio's ActivityEnvironment (a real activity context, so heartbeats work), and once
+through a real Temporal worker to prove the names, payloads and typed errors cross it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from moto.ec2.models import instances as moto_instances
+from temporalio import workflow
+from temporalio.client import WorkflowFailureError
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
+from temporalio.worker import Worker
+
+from spotrain.activities import ec2 as ec2_mod
+from spotrain.activities.ec2 import EC2Provider, client_token, reap
+from spotrain.workflows import contract
+from spotrain.workflows.contract import (
+    DescribeRequest,
+    LaunchRequest,
+    NodeInfo,
+    Offer,
+    ReleaseRequest,
+)
+from spotrain.workflows.spec import InstanceType, SpotPolicy
+from tests.ec2_support import ServiceUnavailable, ec2_error, first_n, inject, reclaim
+
+ENV = ActivityEnvironment()
+
+
+@pytest.fixture(scope="module")
+def provider(moto_endpoint: str) -> EC2Provider:
+    """Shared: creating an EC2 client loads botocore's EC2 model, about a second each."""
+    return EC2Provider(endpoint_url=moto_endpoint)
+
+
+@pytest.fixture(scope="module")
+def impatient(moto_endpoint: str) -> EC2Provider:
+    """botocore gives up after 2 attempts, so injected faults reach the caller."""
+    return EC2Provider(endpoint_url=moto_endpoint, max_attempts=2)
+
+
+@pytest.fixture
+def job() -> str:
+    """A fresh job name per test: the moto server is shared by the whole session."""
+    return f"job-{uuid.uuid4().hex[:8]}"
+
+
+def spot(job: str, slot: int = 0, **kw: Any) -> LaunchRequest:
+    fields: dict[str, Any] = {
+        "job": job,
+        "slot": slot,
+        "attempt": 0,
+        "generation": 1,
+        "lifecycle": "spot",
+        "instance_type": "p3.2xlarge",
+        "zone": "us-east-1b",
+        "max_price": 1.5,
+    } | kw
+    return LaunchRequest(**fields)
+
+
+def launch(provider: EC2Provider, req: LaunchRequest) -> NodeInfo:
+    return ENV.run(provider.launch_node, req)
+
+
+def job_instances(provider: EC2Provider, job: str) -> list[dict[str, Any]]:
+    return ec2_mod._instances(provider.client(), [{"Name": "tag:spotrain:job", "Values": [job]}])
+
+
+def live(provider: EC2Provider, job: str) -> list[str]:
+    return [
+        i["InstanceId"]
+        for i in job_instances(provider, job)
+        if i["State"]["Name"] in {"pending", "running"}
+    ]
+
+
+@pytest.fixture
+def run_params(provider: EC2Provider) -> Iterator[list[dict[str, Any]]]:
+    """The parameters boto3 actually sends to RunInstances (botocore's event hook)."""
+    sent: list[dict[str, Any]] = []
+    event = "provide-client-params.ec2.RunInstances"
+    hook = provider.client().meta.events.register(event, lambda params, **_: sent.append(params))
+    yield sent
+    provider.client().meta.events.unregister(event, hook)
+
+
+# --- launch ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lifecycle", ["spot", "on-demand"])
+def test_launch_lifecycle_and_tags(
+    provider: EC2Provider, run_params: list[dict[str, Any]], job: str, lifecycle: str
+) -> None:
+    zone = "us-east-1b" if lifecycle == "spot" else None
+    node = launch(provider, spot(job, slot=3, lifecycle=lifecycle, zone=zone))
+
+    assert node.state == "ready" and node.lifecycle == lifecycle and node.slot == 3
+    assert node.address and node.address != "127.0.0.1"
+    assert node.zone == (zone or node.zone) and node.zone.startswith("us-east-1")
+    (params,) = run_params
+    assert params["ClientToken"] == client_token(job, 3, 0)
+    if lifecycle == "spot":
+        assert params["InstanceMarketOptions"] == {
+            "MarketType": "spot",
+            "SpotOptions": {
+                "SpotInstanceType": "one-time",
+                "InstanceInterruptionBehavior": "terminate",
+                "MaxPrice": "1.50000",
+            },
+        }
+    else:
+        assert "InstanceMarketOptions" not in params
+
+    ec2 = provider.client()
+    (instance,) = job_instances(provider, job)
+    assert instance.get("InstanceLifecycle") == ("spot" if lifecycle == "spot" else None)
+    expected = {
+        "spotrain:managed": "true",
+        "spotrain:job": job,
+        "spotrain:generation": "1",
+        "spotrain:slot": "3",
+        "spotrain:attempt": "0",
+        "spotrain:lifecycle": lifecycle,
+    }
+    assert expected.items() <= ec2_mod._tags(instance).items()
+    volumes = ec2.describe_volumes(
+        Filters=[{"Name": "attachment.instance-id", "Values": [node.node_id]}]
+    )["Volumes"]
+    assert volumes
+    for volume in volumes:
+        assert expected.items() <= ec2_mod._tags(volume).items()
+
+
+def test_retried_launch_creates_no_duplicate(provider: EC2Provider, job: str) -> None:
+    req = spot(job)
+    first = launch(provider, req)
+    assert launch(provider, req).node_id == first.node_id  # a plain retry
+
+    # A crash after run_instances returned, before the activity completed: the retry finds it.
+    crashed = spot(job, slot=1)
+    orphan = provider._run(provider.client(), crashed)
+    assert launch(provider, crashed).node_id == orphan["InstanceId"]
+    assert len(live(provider, job)) == 2
+
+    # Two racing attempts both launched (moto ignores ClientToken; AWS would not): one is kept
+    # (the oldest; launch times have whole seconds, so the smaller id on a tie), the other
+    # terminated.
+    raced = spot(job, slot=2)
+    both = {provider._run(provider.client(), raced)["InstanceId"] for _ in range(2)}
+    kept = launch(provider, raced).node_id
+    assert kept in both and len(live(provider, job)) == 3
+    assert set(live(provider, job)) & both == {kept}
+
+
+def test_capacity_error_only_for_that_pool(
+    provider: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    injected = inject(
+        monkeypatch,
+        "run_instances",
+        ec2_error("InsufficientInstanceCapacity"),
+        lambda kw: (
+            (kw["instance_type"], kw["placement"], bool(kw["instance_market_options"]))
+            == ("p3.2xlarge", "us-east-1a", True)
+        ),
+    )
+    with pytest.raises(ApplicationError) as err:
+        launch(provider, spot(job, zone="us-east-1a"))
+    assert err.value.type == contract.CAPACITY_ERROR and err.value.non_retryable
+    assert "InsufficientInstanceCapacity" in str(err.value)
+    assert injected == ["run_instances"]  # typed at once: no botocore retry of a 400
+    assert live(provider, job) == []
+
+    # The next pool, another type in the same zone and on-demand there all serve.
+    assert launch(provider, spot(job, slot=0, zone="us-east-1b")).state == "ready"
+    assert launch(provider, spot(job, slot=1, zone="us-east-1a", instance_type="g5.xlarge"))
+    on_demand = launch(provider, spot(job, slot=2, zone="us-east-1a", lifecycle="on-demand"))
+    assert on_demand.state == "ready" and on_demand.lifecycle == "on-demand"
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [(c, contract.CAPACITY_ERROR) for c in sorted(ec2_mod.CAPACITY_CODES)]
+    + [("AuthFailure", contract.CONFIG_ERROR), ("UnauthorizedOperation", contract.CONFIG_ERROR)],
+)
+def test_error_codes_are_typed(
+    provider: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch, code: str, kind: str
+) -> None:
+    inject(monkeypatch, "run_instances", ec2_error(code), lambda _kw: True)
+    with pytest.raises(ApplicationError) as err:
+        launch(provider, spot(job))
+    assert (err.value.type, err.value.non_retryable) == (kind, True)
+
+
+def test_unknown_instance_type_is_a_config_error(
+    provider: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # moto's own validation (off by default), not an injected error.
+    monkeypatch.setattr(moto_instances.settings, "EC2_ENABLE_INSTANCE_TYPE_VALIDATION", True)
+    with pytest.raises(ApplicationError) as err:
+        launch(provider, spot(job, instance_type="p9.nonexistent"))
+    assert err.value.type == contract.CONFIG_ERROR and "p9.nonexistent" in str(err.value)
+
+
+def test_throttling_and_5xx_are_retried(
+    provider: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    throttled = inject(monkeypatch, "run_instances", ec2_error("RequestLimitExceeded"), first_n(2))
+    unavailable = inject(
+        monkeypatch, "get_reservations_by_instance_ids", ServiceUnavailable, first_n(2)
+    )
+    node = launch(provider, spot(job))
+    assert node.state == "ready"
+    assert len(throttled) == 2 and len(unavailable) == 2
+    assert live(provider, job) == [node.node_id]
+
+
+def test_throttling_past_botocore_retries_stays_retryable(
+    impatient: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When botocore gives up, the error is a plain one: Temporal retries the activity."""
+    provider = impatient
+    inject(monkeypatch, "run_instances", ec2_error("RequestLimitExceeded"), first_n(2))
+    with pytest.raises(ClientError) as err:
+        launch(provider, spot(job))
+    assert err.value.response["Error"]["Code"] == "RequestLimitExceeded"
+    assert launch(provider, spot(job)).state == "ready"  # the activity's retry
+    assert len(live(provider, job)) == 1
+
+
+# --- track -----------------------------------------------------------------------------------
+
+
+def test_describe_states_and_reclaim(provider: EC2Provider, job: str) -> None:
+    a, b, c = (launch(provider, spot(job, slot=s)) for s in range(3))
+    reclaim(b.node_id)
+    ENV.run(provider.release_nodes, ReleaseRequest(job=job, node_ids=[c.node_id]))
+
+    nodes = ENV.run(
+        provider.describe_nodes,
+        DescribeRequest(job=job, node_ids=[a.node_id, b.node_id, c.node_id, "i-0123456789abcdef0"]),
+    )
+    assert [(n.node_id, n.state, n.reason) for n in nodes] == [
+        (a.node_id, "ready", None),
+        (b.node_id, "gone", "reclaimed"),
+        (c.node_id, "gone", "terminated"),
+        ("i-0123456789abcdef0", "gone", "not-found"),
+    ]
+    everything = ENV.run(provider.describe_nodes, DescribeRequest(job=job, node_ids=[]))
+    assert sorted(n.slot for n in everything) == [0, 1, 2]
+
+
+def test_reclaimed_during_launch_is_a_capacity_error(provider: EC2Provider, job: str) -> None:
+    req = spot(job)
+    orphan = provider._run(provider.client(), req)  # launched, then reclaimed before ready
+    reclaim(orphan["InstanceId"])
+    with pytest.raises(ApplicationError) as err:
+        launch(provider, req)
+    assert err.value.type == contract.CAPACITY_ERROR and "SpotInstanceTermination" in str(err.value)
+    assert live(provider, job) == []  # and the retry did not buy another node
+
+
+def test_flapping_api_never_reports_a_healthy_node_gone(
+    impatient: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    provider = impatient
+    nodes = [launch(provider, spot(job, slot=s)) for s in range(2)]
+    rng = random.Random(7)
+    errors = [ec2_error("RequestLimitExceeded"), ServiceUnavailable]
+    injected = inject(
+        monkeypatch,
+        "describe_instances",
+        lambda: rng.choice(errors)(),
+        lambda _kw: rng.random() < 0.2,
+    )
+    req = DescribeRequest(job=job, node_ids=[n.node_id for n in nodes])
+    answers, raised = [], 0
+    for i in range(30):
+        if i == 20:
+            reclaim(nodes[1].node_id)
+        try:
+            answers.append((i, ENV.run(provider.describe_nodes, req)))
+        except ClientError:
+            raised += 1  # plain: Temporal retries the activity; membership is unchanged
+    assert injected and answers
+    for i, answer in answers:
+        assert answer[0].state == "ready"
+        assert answer[1].state == ("ready" if i < 20 else "gone")
+    assert answers[-1][1][1].reason == "reclaimed"
+    logging.getLogger(__name__).info("flapping: %d injected, %d raised", len(injected), raised)
+
+
+# --- release and gc --------------------------------------------------------------------------
+
+
+def test_release_is_idempotent_and_touches_only_the_job(provider: EC2Provider, job: str) -> None:
+    mine = launch(provider, spot(job))
+    other_job = f"{job}-other"
+    theirs = launch(provider, spot(other_job))
+    req = ReleaseRequest(job=job, node_ids=[mine.node_id, theirs.node_id, "i-00000000000000000"])
+    assert ENV.run(provider.release_nodes, req) == [mine.node_id]
+    assert ENV.run(provider.release_nodes, req) == [mine.node_id]  # again: nothing new
+    assert live(provider, job) == [] and live(provider, other_job) == [theirs.node_id]
+    ENV.run(provider.release_nodes, ReleaseRequest(job=other_job, node_ids=[theirs.node_id]))
+
+
+def test_gc_reaps_orphans_and_spares_live_jobs(provider: EC2Provider, job: str) -> None:
+    running_job = f"{job}-running"
+    orphan_ids = {launch(provider, spot(job, slot=s)).node_id for s in range(2)}
+    spared = launch(provider, spot(running_job)).node_id
+    is_running = lambda name: name != job  # noqa: E731  # the CLI asks Temporal instead
+    ec2 = provider.client()
+
+    dry = reap(ec2, is_running)
+    assert {o.instance_id for o in dry} == orphan_ids and {o.job for o in dry} == {job}
+    assert set(live(provider, job)) == orphan_ids  # a dry run changes nothing
+
+    def unreachable(_name: str) -> bool:
+        raise ConnectionError("temporal is down")
+
+    with pytest.raises(ConnectionError):
+        reap(ec2, unreachable, apply=True)
+    assert set(live(provider, job)) == orphan_ids  # in doubt, nothing is reaped
+
+    assert {o.instance_id for o in reap(ec2, is_running, apply=True)} == orphan_ids
+    assert live(provider, job) == [] and live(provider, running_job) == [spared]
+    assert not [o for o in reap(ec2, is_running) if o.job == job]
+    ENV.run(provider.release_nodes, ReleaseRequest(job=running_job, node_ids=[spared]))
+
+
+# --- offers ----------------------------------------------------------------------------------
+
+
+def policy(**kw: Any) -> SpotPolicy:
+    fields: dict[str, Any] = {
+        "instance_types": [
+            InstanceType(name="g5.xlarge", gpus=1, on_demand_price=1.0),
+            InstanceType(name="g4dn.12xlarge", gpus=4, on_demand_price=3.912),
+        ],
+        "zones": ["us-east-1a", "us-east-1b", "us-east-1c"],
+    } | kw
+    return SpotPolicy(**fields)
+
+
+def test_find_offers_diversifies_and_respects_max_price(
+    provider: EC2Provider, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=ec2_mod.__name__):
+        offers = ENV.run(provider.find_offers, policy())
+        ENV.run(provider.find_offers, policy())
+    pools = {(o.instance_type, o.zone) for o in offers}
+    assert len(pools) == len(offers) and {z for _, z in pools} == {
+        "us-east-1a",
+        "us-east-1b",
+        "us-east-1c",
+    }
+    assert {o.zone for o in offers[:3]} == {"us-east-1a", "us-east-1b", "us-east-1c"}  # spread
+    # Same spot price everywhere (moto): the 4-GPU type is cheaper per GPU, in every zone first.
+    assert [o.instance_type for o in offers] == ["g4dn.12xlarge"] * 3 + ["g5.xlarge"] * 3
+    assert all(o.price == 0.00001 and o.score is None for o in offers)  # moto: no scores
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # logged once
+    assert "placement scores unavailable" in caplog.records[0].message
+
+    assert ENV.run(provider.find_offers, policy(max_price=0.000001)) == []
+    assert {o.zone for o in ENV.run(provider.find_offers, policy(zones=["us-east-1d"]))} <= {
+        "us-east-1d"
+    }
+
+
+# --- through a real Temporal worker ----------------------------------------------------------
+
+
+@workflow.defn(sandboxed=False)
+class EC2Probe:
+    """Calls the provider's activities by name, as TrainingJob does."""
+
+    @workflow.run
+    async def run(self, job: str) -> list[str]:
+        opts: dict[str, Any] = {
+            "start_to_close_timeout": timedelta(seconds=60),
+            "heartbeat_timeout": timedelta(seconds=10),
+            "retry_policy": RetryPolicy(initial_interval=timedelta(milliseconds=100)),
+        }
+        offers = await workflow.execute_activity(
+            contract.FIND_OFFERS, policy(), result_type=list[Offer], **opts
+        )
+        seen = []
+        for slot, offer in enumerate(offers[:2]):
+            req = spot(job, slot=slot, instance_type=offer.instance_type, zone=offer.zone)
+            try:
+                node = await workflow.execute_activity(
+                    contract.LAUNCH_NODE, req, result_type=NodeInfo, **opts
+                )
+                seen.append(f"{node.state}:{node.zone}")
+            except ActivityError as err:
+                assert isinstance(err.cause, ApplicationError)
+                seen.append(f"{err.cause.type}:{offer.zone}")
+        nodes = await workflow.execute_activity(
+            contract.DESCRIBE_NODES,
+            DescribeRequest(job=job, node_ids=[]),
+            result_type=list[NodeInfo],
+            **opts,
+        )
+        released = await workflow.execute_activity(
+            contract.RELEASE_NODES,
+            ReleaseRequest(job=job, node_ids=[n.node_id for n in nodes]),
+            result_type=list[str],
+            **opts,
+        )
+        return [*seen, f"released:{len(released)}"]
+
+
+async def test_activities_through_temporal(
+    dev_env: WorkflowEnvironment, provider: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    offers = ENV.run(provider.find_offers, policy())
+    bad = (offers[1].instance_type, offers[1].zone)
+    inject(
+        monkeypatch,
+        "run_instances",
+        ec2_error("InsufficientInstanceCapacity"),
+        lambda kw: (kw["instance_type"], kw["placement"]) == bad,
+    )
+    with ThreadPoolExecutor(4) as pool:
+        async with Worker(
+            dev_env.client,
+            task_queue=f"ec2-{job}",
+            workflows=[EC2Probe],
+            activities=provider.activities(),
+            activity_executor=pool,
+        ):
+            try:
+                result = await dev_env.client.execute_workflow(
+                    EC2Probe.run, job, id=f"ec2-probe-{job}", task_queue=f"ec2-{job}"
+                )
+            except WorkflowFailureError as err:
+                raise AssertionError(f"probe failed: {err.cause}") from err
+    assert result == [
+        f"ready:{offers[0].zone}",
+        f"{contract.CAPACITY_ERROR}:{offers[1].zone}",
+        "released:1",
+    ]
+    assert live(provider, job) == []
