@@ -167,8 +167,8 @@ def _typed_errors() -> Iterator[None]:
 class EC2Provider:
     """The node provider activities over EC2.
 
-    `ami`: image id (default env SPOTRAIN_AMI; against a local endpoint such as moto, the first
-    image EC2 lists). `launch_template`: name of a template carrying network, user data and
+    `ami`: image id (against a local endpoint such as moto, a stock image when unset).
+    `launch_template`: name of a template carrying network, user data and
     instance profile for nodes joining the cluster. `subnets`: zone -> subnet id for
     non-default VPCs. `ready_timeout_s`: a node still pending after this is terminated and the
     pool reported as out of capacity.
@@ -187,7 +187,7 @@ class EC2Provider:
     ) -> None:
         self.region = region
         self.endpoint_url = endpoint_url
-        self.ami = ami or os.environ.get("SPOTRAIN_AMI")
+        self.ami = ami
         self.launch_template = launch_template
         self.subnets = dict(subnets or {})
         self.ready_timeout_s = ready_timeout_s
@@ -196,6 +196,25 @@ class EC2Provider:
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._scores_unavailable_logged = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> EC2Provider:
+        """The worker's configuration: SPOTRAIN_EC2_ENDPOINT (a local endpoint such as moto),
+        SPOTRAIN_AMI, SPOTRAIN_LAUNCH_TEMPLATE, SPOTRAIN_SUBNETS ("zone=subnet-id,...").
+        Region and credentials: boto3's chain (AWS_REGION, AWS_PROFILE, instance role...)."""
+        subnets = {}
+        for pair in filter(None, env.get("SPOTRAIN_SUBNETS", "").split(",")):
+            zone, sep, subnet = pair.partition("=")
+            if not sep:
+                raise ValueError(f"SPOTRAIN_SUBNETS: expected zone=subnet-id, got {pair!r}")
+            subnets[zone.strip()] = subnet.strip()
+        return cls(
+            region=boto3.session.Session().region_name or "us-east-1",
+            endpoint_url=env.get("SPOTRAIN_EC2_ENDPOINT") or None,
+            ami=env.get("SPOTRAIN_AMI") or None,
+            launch_template=env.get("SPOTRAIN_LAUNCH_TEMPLATE") or None,
+            subnets=subnets,
+        )
 
     def client(self, region: str | None = None) -> Any:
         """One thread-safe EC2 client per region (the CLI's `gc` uses it too)."""
@@ -219,6 +238,8 @@ class EC2Provider:
         Best: highest placement score (when the API has one), then lowest price per GPU.
         The list interleaves zones, so taking its first k offers puts k nodes in k zones.
         """
+        if not policy.enabled:
+            return []
         ec2 = self.client(policy.region)
         types = {t.name: t for t in policy.instance_types}
         with _typed_errors():

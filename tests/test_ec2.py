@@ -8,14 +8,18 @@ through a real Temporal worker to prove the names, payloads and typed errors cro
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import re
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 from botocore.exceptions import ClientError
 from moto.ec2.models import instances as moto_instances
@@ -40,6 +44,7 @@ from spotrain.workflows.spec import InstanceType, SpotPolicy
 from tests.ec2_support import ServiceUnavailable, ec2_error, first_n, inject, reclaim
 
 ENV = ActivityEnvironment()
+POLICY = Path(__file__).resolve().parent.parent / "infra" / "aws" / "iam-policy.json"
 
 
 @pytest.fixture(scope="module")
@@ -381,6 +386,52 @@ def test_find_offers_diversifies_and_respects_max_price(
     assert {o.zone for o in ENV.run(provider.find_offers, policy(zones=["us-east-1d"]))} <= {
         "us-east-1d"
     }
+
+
+def test_spot_disabled_means_no_offers(provider: EC2Provider) -> None:
+    assert ENV.run(provider.find_offers, policy(enabled=False)) == []
+
+
+# --- configuration and IAM -------------------------------------------------------------------
+
+
+def test_from_env() -> None:
+    env = {
+        "SPOTRAIN_EC2_ENDPOINT": "http://127.0.0.1:5000",
+        "SPOTRAIN_AMI": "ami-12345678",
+        "SPOTRAIN_SUBNETS": "us-east-1a=subnet-a, us-east-1b=subnet-b",
+    }
+    provider = EC2Provider.from_env(env)
+    assert (provider.endpoint_url, provider.ami, provider.launch_template) == (
+        "http://127.0.0.1:5000",
+        "ami-12345678",
+        None,
+    )
+    assert provider.subnets == {"us-east-1a": "subnet-a", "us-east-1b": "subnet-b"}
+    with pytest.raises(ValueError, match="zone=subnet-id"):
+        EC2Provider.from_env({"SPOTRAIN_SUBNETS": "subnet-a"})
+
+
+def test_iam_policy_is_valid_and_allows_every_call_the_provider_makes(
+    provider: EC2Provider,
+) -> None:
+    document = POLICY.read_text()
+    # moto's IAM validates the policy grammar the way IAM does (actions, ARNs, conditions).
+    iam = boto3.client("iam", endpoint_url=provider.endpoint_url, region_name="us-east-1")
+    iam.create_policy(PolicyName=f"spotrain-{uuid.uuid4().hex[:8]}", PolicyDocument=document)
+
+    allowed = {
+        action
+        for st in json.loads(document)["Statement"]
+        if st["Effect"] == "Allow"
+        for action in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
+    }
+    source = Path(ec2_mod.__file__).read_text()
+    methods = set(re.findall(r"ec2\.(\w+)\(", source) + re.findall(r'paginator\("(\w+)"', source))
+    methods -= {"get_paginator", "describe_images"}  # describe_images: local endpoints only
+    api = provider.client().meta.method_to_api_mapping
+    needed = {f"ec2:{api[m]}" for m in methods} | {"ec2:CreateTags"}  # TagSpecifications
+    assert "ec2:RunInstances" in needed and needed <= allowed, needed - allowed
 
 
 # --- through a real Temporal worker ----------------------------------------------------------
