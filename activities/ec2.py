@@ -123,17 +123,14 @@ def _zones(ec2: Any) -> dict[str, str]:
 
 def _node(instance: Mapping[str, Any]) -> NodeInfo:
     """EC2's view of an instance in the contract's terms; lifecycle from EC2, not our tag."""
-    tags = _tags(instance)
-    ec2_state = instance["State"]["Name"]
-    state, reason = {"pending": ("requested", None), "running": ("ready", None)}.get(
-        ec2_state, ("gone", None)
-    )
+    state = {"pending": "requested", "running": "ready"}.get(instance["State"]["Name"], "gone")
+    reason = None
     if state == "gone":
-        code = instance.get("StateReason", {}).get("Code", "")
-        reason = "reclaimed" if code == RECLAIM_REASON else "terminated"
+        reclaimed = instance.get("StateReason", {}).get("Code") == RECLAIM_REASON
+        reason = "reclaimed" if reclaimed else "terminated"
     return NodeInfo(
         node_id=instance["InstanceId"],
-        slot=int(tags.get(TAG_SLOT, -1)),
+        slot=int(_tags(instance).get(TAG_SLOT, -1)),
         lifecycle="spot" if instance.get("InstanceLifecycle") == "spot" else "on-demand",
         instance_type=instance["InstanceType"],
         zone=instance["Placement"]["AvailabilityZone"],

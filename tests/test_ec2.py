@@ -223,6 +223,19 @@ def test_unknown_instance_type_is_a_config_error(
     assert err.value.type == contract.CONFIG_ERROR and "p9.nonexistent" in str(err.value)
 
 
+def test_missing_credentials_are_a_config_error(
+    moto_endpoint: str, job: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to find here
+    with pytest.raises(ApplicationError) as err:
+        launch(EC2Provider(endpoint_url=moto_endpoint), spot(job))
+    assert err.value.type == contract.CONFIG_ERROR and "credentials" in str(err.value)
+
+
 def test_throttling_and_5xx_are_retried(
     provider: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
