@@ -152,7 +152,7 @@ class KubeDouble:
 
         server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
         thread.start()
         self.url = f"http://127.0.0.1:{server.server_address[1]}"
         try:

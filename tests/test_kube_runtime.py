@@ -111,9 +111,8 @@ def ckpt(tmp_path: Path) -> str:
     return f"file://{tmp_path}/ckpt"
 
 
-def test_gang_start_waits_for_every_pod_ready(
-    kube: KubeDouble, runtime: KubeRuntime, ckpt: str
-) -> None:
+def test_gang_start_waits_for_every_pod_ready(kube: KubeDouble, ckpt: str) -> None:
+    runtime = KubeRuntime(NS, kube.api_client(), gang_timeout_s=10, watch_s=4)
     kube.auto_start = False  # the kubelet holds containers in ContainerCreating
     started = in_thread(runtime.start_generation, plan_for(ckpt))
     deadline = time.monotonic() + 2
@@ -127,7 +126,7 @@ def test_gang_start_waits_for_every_pod_ready(
     t0 = time.monotonic()
     started.result(timeout=3)
     latency = time.monotonic() - t0
-    assert latency < 0.5, f"the watch should wake at once, took {latency:.2f}s"
+    assert latency < 1.5, f"the watch should wake at once, not after watch_s=4 ({latency:.2f}s)"
 
     pods = {p["metadata"]["name"]: p for p in kube.list("pods", NS)}
     assert sorted(pods) == ["mnist-g1-0", "mnist-g1-1", "mnist-g1-2"]
@@ -183,7 +182,7 @@ def test_gang_timeout_rolls_back_and_names_stuck_pods(
     took = time.monotonic() - t0
     assert 3 <= took < 5, took
     gaps = [b - a for a, b in zip([t0, *beats], [*beats, t0 + took], strict=True)]
-    assert max(gaps) < 1.5, f"heartbeats at least every watch_s=1s, got gaps {gaps}"
+    assert max(gaps) < 2.5, f"heartbeats about every watch_s=1s, got gaps {gaps}"
     msg = str(info.value)
     assert info.value.type == "GangStartError"
     assert "mnist-g1-0" not in msg  # it was Running and Ready
@@ -244,12 +243,12 @@ def test_graceful_stop_raises_event_waits_for_acks_then_deletes_with_grace(
     JobStore(ckpt).write_latest_checkpoint(40, "ckpt/step-40")
     _ack_on_stop(kube, ckpt, {"mnist-g1-0": [0], "mnist-g1-1": [1], "mnist-g1-2": [2]})
     t0 = time.monotonic()
-    result = run(runtime.stop_generation, stop_request(ckpt, grace_s=5))
+    result = run(runtime.stop_generation, stop_request(ckpt, grace_s=10))
     took = time.monotonic() - t0
     assert result.acked_ranks == [0, 1, 2] and not result.forced
     assert result.checkpoint_step == 40
-    assert took < 2, f"should stop once all acked, not after the grace period ({took:.1f}s)"
-    assert sorted(kube.deletes) == [("pods", f"mnist-g1-{i}", 5) for i in range(3)]
+    assert took < 3, f"should stop once all acked, not after the grace period ({took:.1f}s)"
+    assert sorted(kube.deletes) == [("pods", f"mnist-g1-{i}", 10) for i in range(3)]
     assert ("pods", "mnist-g1-0", "application/merge-patch+json") in kube.patches
     assert kube.list("pods", NS, "spotrain.io/generation=1") == []
 
