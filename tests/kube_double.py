@@ -8,8 +8,10 @@ What it keeps like the real server: objects per (resource, namespace, name), a g
 monotonically increasing resourceVersion, uid and creationTimestamp, 409 AlreadyExists on
 create, 404 NotFound on get/patch/delete, `Status` error bodies, list + watch from a
 resourceVersion (newline-delimited JSON events, `timeoutSeconds`), equality label selectors,
-and JSON merge patch (RFC 7386). Paths: create/get/list/watch/patch/delete of pods, services
-and configmaps in a namespace; get/list of nodes.
+and JSON merge patch (RFC 7386; other patch types get 415). Namespaces are implicit (no 404
+for a missing one); no fieldSelector, no 410 Gone (every event is kept). Paths:
+create/get/list/watch/patch/delete of pods, services and configmaps in a namespace; get/list
+of nodes.
 
 What stands in for the rest of the control plane (clearly simplified):
 - a scheduler: a pod binds to the node whose labels match its `nodeSelector` and whose
