@@ -316,12 +316,11 @@ def test_flapping_api_never_reports_a_healthy_node_gone(
             answers.append((i, ENV.run(provider.describe_nodes, req)))
         except ClientError:
             raised += 1  # plain: Temporal retries the activity; membership is unchanged
-    assert injected and answers
+    assert injected and raised and answers  # faults reached the caller as errors, never as "gone"
     for i, answer in answers:
         assert answer[0].state == "ready"
         assert answer[1].state == ("ready" if i < 20 else "gone")
     assert answers[-1][1][1].reason == "reclaimed"
-    logging.getLogger(__name__).info("flapping: %d injected, %d raised", len(injected), raised)
 
 
 # --- release and gc --------------------------------------------------------------------------
