@@ -30,3 +30,96 @@ def local_batch_size(global_batch: int, world: int, rank: int) -> int:
     """This rank's share: the first n_small ranks take the small batch, the rest the large."""
     split = uneven_batch(global_batch, world)
     return split.small if rank < split.n_small else split.large
+
+
+def allowed_sizes(
+    min_nodes: int, max_nodes: int, step: int | None, discrete: list[int] | None
+) -> list[int]:
+    """Node counts the job may run at, ascending."""
+    if discrete is not None:
+        return sorted(set(discrete))
+    return list(range(min_nodes, max_nodes + 1, step or 1))
+
+
+def best_size(available: int, sizes: list[int], cap: int | None = None) -> int | None:
+    """The largest allowed size that `available` ready nodes can fill, at most `cap`."""
+    limit = available if cap is None else min(available, cap)
+    fitting = [s for s in sizes if s <= limit]
+    return max(fitting) if fitting else None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A ready node as the planner sees it."""
+
+    slot: int
+    lifecycle: str  # "spot" | "on-demand"
+    base: bool = False
+
+
+def choose_members(current: list[int], ready: list[Candidate], size: int) -> list[int]:
+    """Pick `size` ready slots in rank order for the next generation.
+
+    Preference: on-demand base nodes (never reclaimed), then spot, then on-demand fallback;
+    within each, current members first so ranks (and rank 0, the master) stay stable.
+    The chosen set keeps the current members' relative order; newcomers go last.
+    """
+    position = {slot: i for i, slot in enumerate(current)}
+
+    def preference(c: Candidate) -> tuple[int, int, int]:
+        tier = 0 if c.base else (1 if c.lifecycle == "spot" else 2)
+        return (tier, position.get(c.slot, len(current)), c.slot)
+
+    chosen = {c.slot for c in sorted(ready, key=preference)[:size]}
+    return [s for s in current if s in chosen] + sorted(chosen - set(current))
+
+
+def scale_in_victims(members: list[str], count: int | None, named: list[str] | None) -> list[str]:
+    """Nodes to remove: exactly the named ones, or the `count` highest ranks."""
+    if named is not None:
+        return [n for n in members if n in set(named)]
+    return list(reversed(members))[: count or 0]
+
+
+def diversify(
+    offers: list[tuple[str, str]], held: dict[tuple[str, str], int], count: int
+) -> list[tuple[str, str]]:
+    """Assign `count` new nodes to (type, zone) pools, spreading over pools instead of piling
+    into one: each goes to the pool holding fewest nodes, ties broken by offer order."""
+    load = {pool: held.get(pool, 0) for pool in offers}
+    picks = []
+    for _ in range(count):
+        if not offers:
+            break
+        pool = min(offers, key=lambda p: (load[p], offers.index(p)))
+        load[pool] += 1
+        picks.append(pool)
+    return picks
+
+
+def pack_gpus(total: int, shapes: list[int]) -> list[tuple[int, int]]:
+    """Pack `total` GPUs onto node shapes (GPUs per node): (shape, GPUs used) per node.
+
+    Fewest nodes first: fill the largest shape while the rest exceeds it, then take the
+    smallest shape that holds the remainder (15 over {10, 8} -> (10,10) + (8,5)). The waste
+    is explicit in the result: a node never runs more processes than GPUs it was asked for.
+    """
+    usable = sorted({s for s in shapes if s > 0})
+    if total < 1 or not usable:
+        raise ValueError(f"cannot pack {total} GPUs onto shapes {shapes}")
+    nodes = []
+    remaining = total
+    while remaining > 0:
+        if remaining >= usable[-1]:
+            nodes.append((usable[-1], usable[-1]))
+            remaining -= usable[-1]
+        else:
+            shape = next(s for s in usable if s >= remaining)
+            nodes.append((shape, remaining))
+            remaining = 0
+    return nodes
+
+
+def grace_for_notice(seconds_left: float, graceful_timeout: float, margin: float = 5.0) -> float:
+    """Time workers get to checkpoint: the job's graceful timeout, cut short by the notice."""
+    return max(0.0, min(graceful_timeout, seconds_left - margin))

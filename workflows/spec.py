@@ -74,6 +74,9 @@ class ElasticPolicy(Strict):
         False, description="treat an EC2 rebalance recommendation as a reclaim notice"
     )
     opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
+    progress_report_interval_s: PositiveSeconds = Field(
+        30, description="how often running workers' progress reaches the workflow"
+    )
     capacity_check_interval_s: PositiveSeconds = Field(
         120, description="how often to look for spot capacity and reconcile node states"
     )

@@ -1,0 +1,293 @@
+"""A simulated cloud and training runtime: the real activity interface, modelled behaviour.
+
+Time is the Temporal server's clock as seen by each activity (the time it was scheduled), so
+under the time-skipping test server hours of training pass in milliseconds and the model
+stays consistent with the workflow's own timers. Used by the workflow tests and by the
+goodput benchmark, where capacity follows a recorded spot trace.
+
+The training model: a generation of world size W makes `steps_per_hour(W)` progress after a
+`restart_cost_s` start-up; a checkpoint is taken every `checkpoint_every` steps, and on an
+elastic event (graceful stop) at the current step; a hard stop loses what came after the last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from spotrain.workflows import contract
+from spotrain.workflows.contract import (
+    CleanupRequest,
+    DescribeRequest,
+    GenerationPlan,
+    LaunchRequest,
+    NodeInfo,
+    Offer,
+    ReleaseRequest,
+    StopRequest,
+    StopResult,
+    WatchRequest,
+    WatchResult,
+)
+from spotrain.workflows.spec import SpotPolicy
+
+# (instance type, zone, time) -> how many more nodes that pool can give now
+CapacityFn = Callable[[str, str, datetime], int]
+
+
+def _now() -> datetime:
+    return activity.info().current_attempt_scheduled_time
+
+
+@dataclass
+class SimNode:
+    info: NodeInfo
+    job: str
+    launched_at: datetime
+
+
+class SimulatedCloud:
+    """Spot pools with capacity from a function of time (a trace), on-demand always available."""
+
+    def __init__(
+        self,
+        zones: list[str] | None = None,
+        capacity: CapacityFn | None = None,
+        spot_price: float = 0.97,
+    ) -> None:
+        self.zones = zones or ["us-east-1a", "us-east-1b"]
+        self.capacity = capacity or (lambda _t, _z, _when: 1_000_000)
+        self.spot_price = spot_price
+        self.nodes: dict[str, SimNode] = {}
+        self.launches: list[LaunchRequest] = []  # every launch that created a node
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def _spot_in_use(self, itype: str, zone: str) -> int:
+        return sum(
+            1
+            for n in self.nodes.values()
+            if n.info.state == "ready"
+            and n.info.lifecycle == "spot"
+            and (n.info.instance_type, n.info.zone) == (itype, zone)
+        )
+
+    @activity.defn(name=contract.FIND_OFFERS)
+    def find_offers(self, policy: SpotPolicy) -> list[Offer]:
+        zones = policy.zones or self.zones
+        with self._lock:
+            return [
+                Offer(instance_type=t.name, zone=z, price=self.spot_price)
+                for t in policy.instance_types
+                for z in zones
+                if self.capacity(t.name, z, _now()) > self._spot_in_use(t.name, z)
+                and (policy.max_price is None or self.spot_price <= policy.max_price)
+            ]
+
+    @activity.defn(name=contract.LAUNCH_NODE)
+    def launch_node(self, req: LaunchRequest) -> NodeInfo:
+        with self._lock:
+            for n in self.nodes.values():  # idempotent: the slot's node, if it exists
+                if n.job == req.job and n.info.slot == req.slot and n.info.state != "gone":
+                    return n.info
+            zone = req.zone or self.zones[0]
+            if req.lifecycle == "spot" and self.capacity(
+                req.instance_type, zone, _now()
+            ) <= self._spot_in_use(req.instance_type, zone):
+                raise ApplicationError(
+                    f"InsufficientInstanceCapacity: no spot {req.instance_type} in {zone}",
+                    type=contract.CAPACITY_ERROR,
+                    non_retryable=True,
+                )
+            info = NodeInfo(
+                node_id=f"sim-{next(self._ids):05d}",
+                slot=req.slot,
+                lifecycle=req.lifecycle,
+                instance_type=req.instance_type,
+                zone=zone,
+                state="ready",
+            )
+            self.nodes[info.node_id] = SimNode(info=info, job=req.job, launched_at=_now())
+            self.launches.append(req)
+            return info
+
+    @activity.defn(name=contract.DESCRIBE_NODES)
+    def describe_nodes(self, req: DescribeRequest) -> list[NodeInfo]:
+        with self._lock:
+            gone = NodeInfo(
+                node_id="", slot=-1, lifecycle="spot", instance_type="", zone="", state="gone"
+            )
+            return [
+                self.nodes[i].info
+                if i in self.nodes
+                else gone.model_copy(update={"node_id": i, "reason": "not-found"})
+                for i in req.node_ids
+            ]
+
+    @activity.defn(name=contract.RELEASE_NODES)
+    def release_nodes(self, req: ReleaseRequest) -> list[str]:
+        with self._lock:
+            for node_id in req.node_ids:
+                if node_id in self.nodes:
+                    self.nodes[node_id].info.state = "gone"
+                    self.nodes[node_id].info.reason = (
+                        self.nodes[node_id].info.reason or "terminated"
+                    )
+            return req.node_ids
+
+    def reclaim(self, node_id: str) -> None:
+        """The cloud takes a spot node back (the caller signals the job, as a webhook would)."""
+        with self._lock:
+            self.nodes[node_id].info.state = "gone"
+            self.nodes[node_id].info.reason = "reclaimed"
+
+    def running(self, job: str | None = None) -> list[NodeInfo]:
+        with self._lock:
+            return [
+                n.info
+                for n in self.nodes.values()
+                if n.info.state != "gone" and (job is None or n.job == job)
+            ]
+
+    def activities(self) -> list[Callable[..., object]]:
+        return [self.find_offers, self.launch_node, self.describe_nodes, self.release_nodes]
+
+
+@dataclass
+class SimGeneration:
+    plan: GenerationPlan
+    started_at: datetime
+    start_step: int
+    stopped: bool = False
+    failure: str | None = None
+    stalled_at: datetime | None = None
+
+
+@dataclass
+class SimJob:
+    checkpoint_step: int = 0
+    done: bool = False
+    generations: dict[int, SimGeneration] = field(default_factory=dict)
+    history: list[tuple[int, int, int, int]] = field(default_factory=list)  # gen, world, from, to
+
+
+class SimulatedRuntime:
+    """Training whose progress is modelled from the server clock (see the module docstring)."""
+
+    def __init__(
+        self,
+        steps_per_hour: Callable[[int], float] = lambda world: 3600.0 * world,
+        checkpoint_every: int = 100,
+        restart_cost_s: float = 60.0,
+    ) -> None:
+        self.steps_per_hour = steps_per_hour
+        self.checkpoint_every = checkpoint_every
+        self.restart_cost_s = restart_cost_s
+        self.jobs: dict[str, SimJob] = {}
+        self._lock = threading.Lock()
+
+    def _job(self, name: str) -> SimJob:
+        return self.jobs.setdefault(name, SimJob())
+
+    def _step(self, gen: SimGeneration, at: datetime) -> int:
+        """The step the generation has reached at `at` (capped at the job's total)."""
+        until = gen.stalled_at or at
+        working = max(0.0, (until - gen.started_at).total_seconds() - self.restart_cost_s)
+        done = math.floor(working / 3600 * self.steps_per_hour(gen.plan.world_size))
+        return min(gen.plan.total_steps, gen.start_step + done)
+
+    def _periodic_checkpoint(self, gen: SimGeneration, step: int) -> int:
+        if step >= gen.plan.total_steps:
+            return step
+        return max(gen.start_step, step - step % self.checkpoint_every)
+
+    @activity.defn(name=contract.START_GENERATION)
+    def start_generation(self, plan: GenerationPlan) -> None:
+        with self._lock:
+            job = self._job(plan.job)
+            if plan.generation not in job.generations:  # idempotent
+                job.generations[plan.generation] = SimGeneration(
+                    plan=plan, started_at=_now(), start_step=job.checkpoint_step
+                )
+
+    @activity.defn(name=contract.STOP_GENERATION)
+    def stop_generation(self, req: StopRequest) -> StopResult:
+        with self._lock:
+            job = self._job(req.job)
+            gen = job.generations.get(req.generation)
+            if gen is None or gen.stopped:
+                return StopResult(acked_ranks=[], checkpoint_step=job.checkpoint_step)
+            step = self._step(gen, _now())
+            acks = req.graceful and gen.failure is None and gen.stalled_at is None
+            reached = step if acks else self._periodic_checkpoint(gen, step)
+            job.checkpoint_step = max(job.checkpoint_step, reached)
+            job.history.append((req.generation, gen.plan.world_size, gen.start_step, step))
+            gen.stopped = True
+            ranks = list(range(gen.plan.world_size)) if acks else []
+            return StopResult(
+                acked_ranks=ranks, checkpoint_step=job.checkpoint_step, forced=not acks
+            )
+
+    @activity.defn(name=contract.WATCH_GENERATION)
+    def watch_generation(self, req: WatchRequest) -> WatchResult:
+        """Answers at once: the workflow paces its watches by the report interval."""
+        with self._lock:
+            job = self._job(req.job)
+            gen = job.generations.get(req.generation)
+            if gen is None or gen.stopped:
+                return WatchResult(outcome="failed", detail="generation not running")
+            step = self._step(gen, _now())
+            checkpoint = self._periodic_checkpoint(gen, step)
+            job.checkpoint_step = max(job.checkpoint_step, checkpoint)
+            if gen.failure:
+                return WatchResult(
+                    outcome="failed", step=step, detail=gen.failure, exit_codes={0: 1}
+                )
+            if step >= gen.plan.total_steps:
+                job.done = True
+                gen.stopped = True
+                job.history.append((req.generation, gen.plan.world_size, gen.start_step, step))
+                return WatchResult(outcome="completed", step=step, checkpoint_step=step)
+            return WatchResult(outcome="progress", step=step, checkpoint_step=job.checkpoint_step)
+
+    @activity.defn(name=contract.CLEANUP_JOB)
+    def cleanup_job(self, req: CleanupRequest) -> None:
+        with self._lock:
+            for gen in self._job(req.job).generations.values():
+                gen.stopped = True
+
+    # --- fault injection for tests -----------------------------------------------------------
+
+    def fail(self, job: str, detail: str = "rank 0 exited with code 1") -> None:
+        """The running generation's next watch reports a crashed rank."""
+        with self._lock:
+            for gen in self._job(job).generations.values():
+                if not gen.stopped:
+                    gen.failure = detail
+
+    def stall(self, job: str, at: datetime) -> None:
+        """The running generation stops making progress at `at` (a hang)."""
+        with self._lock:
+            for gen in self._job(job).generations.values():
+                if not gen.stopped:
+                    gen.stalled_at = at
+
+    def running_generations(self, job: str) -> list[int]:
+        with self._lock:
+            return [g for g, gen in self._job(job).generations.items() if not gen.stopped]
+
+    def activities(self) -> list[Callable[..., object]]:
+        return [
+            self.start_generation,
+            self.stop_generation,
+            self.watch_generation,
+            self.cleanup_job,
+        ]

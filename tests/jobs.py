@@ -1,0 +1,135 @@
+"""Helpers to run TrainingJob workflows in tests: a spec builder, a worker with the simulated
+cloud and runtime, and history recording for the replay tests."""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.worker import Worker
+
+from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
+from spotrain.workflows.state import JobResult, JobStatus
+from spotrain.workflows.training_job import TrainingJob
+
+HISTORIES = Path(__file__).parent / "histories"
+
+BASE_SPEC: dict[str, Any] = {
+    "command": ["python", "train.py"],
+    "total_steps": 36_000,
+    "checkpoint": "file:///tmp/spotrain-tests",
+    "elastic": {
+        "min_nodes": 2,
+        "max_nodes": 4,
+        "graceful_shutdown_timeout_s": 60,
+        "scaling_timeout_s": 30,
+        "faulty_scale_down_timeout_s": 120,
+        "capacity_check_interval_s": 120,
+        "progress_report_interval_s": 30,
+        "stall_timeout_s": 600,
+    },
+    "spot": {
+        "instance_types": [
+            {"name": "p3.2xlarge", "gpus": 1, "on_demand_price": 3.06, "spot_price": 0.97}
+        ],
+        "zones": ["us-east-1a", "us-east-1b"],
+    },
+}
+
+
+# Seconds instead of minutes, for scenarios on the dev server in real time.
+FAST_ELASTIC: dict[str, Any] = {
+    "graceful_shutdown_timeout_s": 5,
+    "scaling_timeout_s": 1,
+    "faulty_scale_down_timeout_s": 3,
+    "capacity_check_interval_s": 1,
+    "progress_report_interval_s": 0.25,
+    "stall_timeout_s": 4,
+}
+
+
+def fast_runtime(**options: Any) -> SimulatedRuntime:
+    """10 steps per second per node, 0.5 s start-up, a checkpoint every 20 steps."""
+    defaults: dict[str, Any] = {
+        "steps_per_hour": lambda world: 36_000.0 * world,
+        "restart_cost_s": 0.5,
+        "checkpoint_every": 20,
+    }
+    return SimulatedRuntime(**(defaults | options))
+
+
+def fast_spec(**overrides: Any) -> dict[str, Any]:
+    """A job of about 15 s at 4 nodes with `fast_runtime`."""
+    spec = job_spec(total_steps=600, elastic=dict(FAST_ELASTIC))
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key].update(value)
+        else:
+            spec[key] = value
+    return spec
+
+
+def job_spec(**overrides: Any) -> dict[str, Any]:
+    """BASE_SPEC with a fresh name; nested dicts in `overrides` merge one level deep."""
+    spec = copy.deepcopy(BASE_SPEC)
+    spec["name"] = f"job-{uuid.uuid4().hex[:8]}"
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key].update(value)
+        else:
+            spec[key] = value
+    return spec
+
+
+@dataclass
+class Sim:
+    client: Client
+    cloud: SimulatedCloud
+    runtime: SimulatedRuntime
+    task_queue: str
+
+    async def start(self, spec: dict[str, Any]) -> WorkflowHandle[Any, Any]:
+        return await self.client.start_workflow(
+            "TrainingJob", spec, id=spec["name"], task_queue=self.task_queue, result_type=JobResult
+        )
+
+    async def status(self, handle: WorkflowHandle[Any, Any]) -> JobStatus:
+        return await handle.query("status", result_type=JobStatus)
+
+
+@asynccontextmanager
+async def simulated(
+    client: Client,
+    cloud: SimulatedCloud | None = None,
+    runtime: SimulatedRuntime | None = None,
+    **worker_options: Any,
+) -> AsyncIterator[Sim]:
+    """A worker running TrainingJob with the simulated cloud and runtime on its own queue."""
+    sim = Sim(client, cloud or SimulatedCloud(), runtime or SimulatedRuntime(), uuid.uuid4().hex)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        async with Worker(
+            client,
+            task_queue=sim.task_queue,
+            workflows=[TrainingJob],
+            activities=sim.cloud.activities() + sim.runtime.activities(),
+            activity_executor=pool,
+            **worker_options,
+        ):
+            yield sim
+
+
+async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
+    """With SPOTRAIN_RECORD=1, save the run's history for the replay tests (on purpose only)."""
+    if os.environ.get("SPOTRAIN_RECORD") != "1":
+        return
+    history = await handle.fetch_history()
+    HISTORIES.mkdir(exist_ok=True)
+    (HISTORIES / f"{name}.json").write_text(history.to_json())

@@ -1,0 +1,335 @@
+"""TrainingJob scenarios on the real Temporal dev server, with the simulated cloud and runtime
+running at seconds instead of minutes: reclaims with and without notice, replacements, growth,
+user scaling, pause, faults, stalls, cancel and storms of duplicate signals.
+
+The dev server suggests continue-as-new every 200 events (conftest), so these runs also
+cross continue-as-new boundaries with state carried over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.testing import WorkflowEnvironment
+
+from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workflows.state import JobStatus
+
+from .jobs import Sim, fast_runtime, fast_spec, record_history, simulated
+
+Handle = WorkflowHandle[Any, Any]
+ONE_ZONE = {"zones": ["us-east-1a"]}
+
+
+async def until(
+    sim: Sim, handle: Handle, check: Callable[[JobStatus], bool], timeout: float = 30
+) -> JobStatus:
+    """Poll the `status` query until `check` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = await sim.status(handle)
+        if check(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out; last status: {status.model_dump_json(indent=1)[:3000]}"
+            )
+        await asyncio.sleep(0.1)
+
+
+def running_at(size: int, generation: int | None = None) -> Callable[[JobStatus], bool]:
+    def check(s: JobStatus) -> bool:
+        at_generation = generation is None or s.generation >= generation
+        return s.phase == "Running" and s.world_size == size and at_generation
+
+    return check
+
+
+def members(status: JobStatus) -> list[str]:
+    ranked = sorted((n for n in status.nodes if n.rank is not None), key=lambda n: n.rank or 0)
+    return [n.node_id or "" for n in ranked]
+
+
+def sizes(result_or_status: Any) -> list[int]:
+    return [e.world_size for e in result_or_status.timeline if e.event == "generation started"]
+
+
+def in_seconds(seconds: float) -> str:
+    return (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()
+
+
+async def update_error(handle: Handle, name: str, arg: dict[str, Any]) -> str:
+    """The message of an update that the workflow's validator rejected."""
+    with pytest.raises(WorkflowUpdateFailedError) as err:
+        await handle.execute_update(name, arg)
+    return str(err.value.cause)
+
+
+async def test_reclaim_with_notice_checkpoints_shrinks_and_grows_back(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec())
+        before = await until(sim, handle, lambda s: running_at(4)(s) and s.step > 50)
+        victim = members(before)[1]
+        await handle.signal(
+            "reclaim", {"node_id": victim, "deadline": in_seconds(120), "event_id": "e1"}
+        )
+        shrunk = await until(sim, handle, running_at(3))
+        grown = await until(sim, handle, running_at(4, generation=shrunk.generation + 1))
+        result = await handle.result()
+        await record_history(handle, "reclaim_with_notice")
+    assert victim not in members(shrunk)
+    assert sizes(grown)[-3:] == [4, 3, 4]
+    assert result.reclaims == 1
+    assert result.steps_lost == 0  # the checkpoint on notice keeps every step
+    assert result.steps_done == 600
+    assert sim.cloud.running() == []
+    assert sim.runtime.jobs[handle.id].history[-1][3] == 600
+
+
+async def test_node_lost_restarts_from_checkpoint_on_a_replacement(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime(checkpoint_every=100)) as sim:
+        handle = await sim.start(fast_spec())
+        before = await until(sim, handle, lambda s: running_at(4)(s) and s.step % 100 > 20)
+        victim = members(before)[0]
+        sim.cloud.reclaim(victim)
+        await handle.signal("node_lost", {"node_id": victim, "event_id": "lost-1"})
+        result = await handle.result()
+        await record_history(handle, "node_lost")
+    assert sizes(result) == [4, 4]  # the replacement came within the faulty scale-down timeout
+    assert 0 < result.steps_lost < 100  # work since the last periodic checkpoint
+    assert result.reclaims == 1
+    assert result.steps_done == 600
+    assert sim.cloud.running() == []
+
+
+async def test_replacement_falls_back_to_on_demand_then_returns_to_spot(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    spot = {"n": 1000}
+    cloud = SimulatedCloud(zones=["us-east-1a"], capacity=lambda _t, _z, _w: spot["n"])
+    async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec(total_steps=2000, spot=ONE_ZONE))
+        before = await until(sim, handle, running_at(4))
+        spot["n"] = 3  # the pool now holds only the 3 survivors
+        victim = members(before)[3]
+        sim.cloud.reclaim(victim)
+        await handle.signal("node_lost", {"node_id": victim, "event_id": "x"})
+
+        def on_demand_member(s: JobStatus) -> bool:
+            return running_at(4)(s) and any(
+                n.lifecycle == "on-demand" and n.rank is not None for n in s.nodes
+            )
+
+        fallback = await until(sim, handle, on_demand_member)
+        spot["n"] = 1000  # spot is back: move off the on-demand node
+
+        def all_spot(s: JobStatus) -> bool:
+            ready = [n for n in s.nodes if n.state == "ready"]
+            return running_at(4)(s) and all(n.lifecycle == "spot" for n in ready)
+
+        swapped = await until(sim, handle, all_spot)
+        result = await handle.result()
+    assert fallback.generation < swapped.generation
+    assert result.cost["on-demand"] > 0
+    assert any(e.event == "node ready" and "on-demand" in e.detail for e in result.timeline)
+    assert sim.cloud.running() == []
+
+
+async def test_opportunistic_scale_out_when_spot_capacity_appears(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    spot = {"n": 2}
+    cloud = SimulatedCloud(zones=["us-east-1a"], capacity=lambda _t, _z, _w: spot["n"])
+    spec = fast_spec(elastic={"initial_nodes": 2}, on_demand={"fallback": False}, spot=ONE_ZONE)
+    async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
+        handle = await sim.start(spec)
+        await until(sim, handle, running_at(2))
+        await asyncio.sleep(2)  # capacity checks find nothing: it stays at 2
+        assert (await sim.status(handle)).world_size == 2
+        spot["n"] = 4
+        await until(sim, handle, running_at(4))
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    assert sim.cloud.running() == []
+
+
+async def test_discrete_sizes_only(dev_env: WorkflowEnvironment) -> None:
+    cloud = SimulatedCloud(zones=["us-east-1a"], capacity=lambda _t, _z, _w: 3)
+    spec = fast_spec(
+        elastic={"discrete_sizes": [2, 4]}, on_demand={"fallback": False}, spot=ONE_ZONE
+    )
+    async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
+        handle = await sim.start(spec)
+        status = await until(sim, handle, lambda s: s.phase == "Running")
+        await handle.cancel()
+    assert status.world_size == 2  # 3 ready nodes, but 3 is not an allowed size
+    assert len([n for n in status.nodes if n.state == "ready"]) == 3
+
+
+async def test_scale_in_by_name_and_by_count_then_out(dev_env: WorkflowEnvironment) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec(total_steps=1500, elastic={"min_nodes": 1}))
+        named = members(await until(sim, handle, running_at(4)))[1]
+        await handle.execute_update("scale_in", {"node_ids": [named]})
+        after_named = await until(sim, handle, running_at(3))
+        await handle.execute_update("scale_in", {"count": 1})
+        after_count = await until(sim, handle, running_at(2))
+        assert "min_nodes is 1" in await update_error(handle, "scale_in", {"count": 2})
+        assert "unknown or gone node(s): i-nope" in await update_error(
+            handle, "scale_in", {"node_ids": ["i-nope"]}
+        )
+        assert "max_nodes is 4" in await update_error(handle, "scale_out", {"count": 3})
+        await handle.execute_update("scale_out", {"count": 2})
+        await until(sim, handle, running_at(4))
+        result = await handle.result()
+        await record_history(handle, "scale_in_out")
+    assert named not in members(after_named)
+    assert members(after_count) == members(after_named)[:2]  # the highest rank went
+    assert result.steps_lost == 0
+    assert sim.cloud.running() == []
+
+
+async def test_pause_releases_nodes_and_resume_continues(dev_env: WorkflowEnvironment) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec())
+        await until(sim, handle, lambda s: running_at(4)(s) and s.step > 50)
+        await handle.execute_update("pause", {})
+        paused = await until(sim, handle, lambda s: s.phase == "Paused")
+        await asyncio.sleep(1)
+        still = await sim.status(handle)
+        nodes_while_paused = len(sim.cloud.running())
+        assert "already paused" in await update_error(handle, "pause", {})
+        await handle.execute_update("resume", {})
+        result = await handle.result()
+    assert paused.world_size == 0 and nodes_while_paused == 0
+    assert still.step == paused.step  # nothing trains, or bills, while paused
+    assert result.steps_done == 600 and result.steps_lost == 0
+    assert sim.cloud.running() == []
+
+
+async def test_fault_restarts_the_generation_and_recovers(dev_env: WorkflowEnvironment) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec())
+        await until(sim, handle, lambda s: running_at(4)(s) and s.step > 50)
+        sim.runtime.fail(handle.id)
+        result = await handle.result()
+        await record_history(handle, "fault_recovers")
+    assert result.faults == 1
+    assert result.generations == 2
+    assert result.steps_done == 600
+
+
+async def test_fault_then_scale_down_when_no_replacement_comes(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    spot = {"n": 4}
+    cloud = SimulatedCloud(zones=["us-east-1a"], capacity=lambda _t, _z, _w: spot["n"])
+    spec = fast_spec(on_demand={"fallback": False}, spot=ONE_ZONE)
+    async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
+        handle = await sim.start(spec)
+        victim = members(await until(sim, handle, running_at(4)))[2]
+        spot["n"] = 3  # no capacity for a replacement
+        sim.cloud.reclaim(victim)
+        lost_at = time.monotonic()
+        await handle.signal("node_lost", {"node_id": victim, "event_id": "gone"})
+        await until(sim, handle, running_at(3))
+        waited = time.monotonic() - lost_at
+        await handle.cancel()
+    assert waited >= 2.5  # held up to faulty_scale_down_timeout (3 s) before shrinking
+
+
+async def test_stall_is_a_fault(dev_env: WorkflowEnvironment) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec())
+        await until(sim, handle, lambda s: running_at(4)(s) and s.step > 50)
+        sim.runtime.stall(handle.id, datetime.now(UTC))
+        result = await handle.result()
+    assert result.faults == 1
+    assert any("stalled" in e.detail for e in result.timeline)
+    assert result.steps_done == 600
+
+
+async def test_max_restarts_exceeded_fails_with_reason(dev_env: WorkflowEnvironment) -> None:
+    runtime = fast_runtime(restart_cost_s=5)  # restarts never get far enough to checkpoint
+    async with simulated(dev_env.client, runtime=runtime) as sim:
+        handle = await sim.start(fast_spec(elastic={"max_restarts": 2}))
+        for generation in range(1, 5):
+            await until(
+                sim, handle, lambda s, g=generation: s.generation >= g or s.phase == "Failed"
+            )
+            runtime.fail(handle.id, "rank 3 exited with code 137")
+        with pytest.raises(WorkflowFailureError) as failure:
+            await handle.result()
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "JobFailed"
+    assert "max_restarts=2" in cause.message and "code 137" in cause.message
+    assert sim.cloud.running() == []
+
+
+async def test_cancel_mid_resize_releases_all_nodes(dev_env: WorkflowEnvironment) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec())
+        victim = members(await until(sim, handle, running_at(4)))[0]
+        await handle.signal(
+            "reclaim", {"node_id": victim, "deadline": in_seconds(120), "event_id": "r"}
+        )
+        await until(sim, handle, lambda s: s.phase == "Resizing" or s.generation > 1)
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        await record_history(handle, "cancel")
+        status = await sim.status(handle)
+    assert status.phase == "Cancelled"
+    assert sim.cloud.running() == []
+    assert sim.runtime.running_generations(handle.id) == []
+
+
+async def test_duplicate_unknown_and_out_of_order_signals(dev_env: WorkflowEnvironment) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec())
+        victim = members(await until(sim, handle, running_at(4)))[1]
+        deadline = in_seconds(120)
+        for _ in range(10):
+            await handle.signal(
+                "reclaim", {"node_id": victim, "deadline": deadline, "event_id": "same"}
+            )
+        await handle.signal(
+            "node_lost", {"node_id": victim, "event_id": "later"}
+        )  # after the notice
+        await handle.signal(
+            "reclaim", {"node_id": "i-unknown", "deadline": deadline, "event_id": "u"}
+        )
+        await handle.signal("node_lost", {"node_id": "i-unknown", "event_id": None})
+        result = await handle.result()
+    assert sizes(result) == [4, 3, 4]  # exactly one membership change for the one real loss
+    assert result.reclaims == 1
+
+
+async def test_invalid_spec_fails_at_once_with_field_message(dev_env: WorkflowEnvironment) -> None:
+    async with simulated(dev_env.client) as sim:
+        handle = await sim.start(fast_spec(elastic={"min_nodes": 5}))
+        with pytest.raises(WorkflowFailureError) as failure:
+            await handle.result()
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidSpec"
+    assert "elastic: min_nodes (5) > max_nodes (4)" in cause.message
+
+
+async def test_duplicate_running_name_is_rejected(dev_env: WorkflowEnvironment) -> None:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        spec = fast_spec()
+        handle = await sim.start(spec)
+        with pytest.raises(WorkflowAlreadyStartedError):
+            await sim.start(spec)
+        await handle.cancel()

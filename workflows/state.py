@@ -1,0 +1,210 @@
+"""Everything a TrainingJob knows, as one serialisable model.
+
+The workflow keeps all of its state in `JobState` so that continue-as-new can carry it whole,
+and so that `status` and the final `JobResult` are plain views of it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from spotrain.workflows.contract import Lifecycle
+from spotrain.workflows.spec import JobSpec
+
+Phase = Literal["Pending", "Running", "Resizing", "Paused", "Succeeded", "Failed", "Cancelled"]
+NodeState = Literal["requested", "ready", "gone", "released"]
+
+SEEN_EVENTS_KEPT = 2000
+TIMELINE_KEPT = 400
+
+
+class NodeRecord(BaseModel):
+    """One slot's node: ordered, running, or ended (and why)."""
+
+    slot: int
+    attempt: int = 1
+    lifecycle: Lifecycle
+    instance_type: str
+    zone: str | None = None
+    node_id: str | None = None
+    address: str = ""
+    state: NodeState = "requested"
+    reason: str | None = None
+    base: bool = Field(False, description="on-demand base node: never reclaimed or swapped")
+    fallback: bool = Field(False, description="on-demand bought because spot was short")
+    procs: int = 1
+    price: float = Field(description="USD per hour while it runs")
+    on_demand_price: float
+    ready_at: datetime | None = None
+    ended_at: datetime | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("requested", "ready")
+
+    def hours(self, now: datetime) -> float:
+        """Billed hours: from running until released or gone."""
+        if self.ready_at is None:
+            return 0.0
+        end = self.ended_at or now
+        return max(0.0, (end - self.ready_at).total_seconds() / 3600)
+
+
+class Event(BaseModel):
+    """Something to act on, queued by a signal, an update or the workflow's own checks."""
+
+    kind: Literal["reclaim", "rebalance", "lost", "scale_out", "scale_in", "pause", "resume"]
+    node_id: str | None = None
+    deadline: datetime | None = None
+    count: int | None = None
+    node_ids: list[str] | None = None
+
+
+class TimelineEntry(BaseModel):
+    time: datetime
+    generation: int
+    world_size: int
+    event: str
+    detail: str = ""
+
+
+class JobState(BaseModel):
+    spec: JobSpec
+    phase: Phase = "Pending"
+    generation: int = 0
+    members: list[int] = Field(default_factory=list, description="slots in rank order")
+    running: bool = False
+    nodes: list[NodeRecord] = Field(default_factory=list)
+    target: int = Field(description="nodes the job wants to hold")
+    ceiling: int = Field(description="most nodes it may grow to (user scaling moves it)")
+    owed: int = Field(0, description="nodes that may fall back to on-demand if spot is short")
+    step: int = 0
+    checkpoint_step: int = 0
+    generation_checkpoint: int = 0
+    progress_at: datetime | None = None
+    restarts: int = 0
+    reclaims: int = 0
+    faults: int = 0
+    resizes: int = 0
+    steps_lost: int = 0
+    seen_events: list[str] = Field(default_factory=list)
+    inbox: list[Event] = Field(default_factory=list)
+    timeline: list[TimelineEntry] = Field(default_factory=list)
+    submitted_at: datetime | None = None
+    hold_until: datetime | None = None
+    grow_since: datetime | None = None
+    next_check: datetime | None = None
+    failure: str | None = None
+    runs: int = 1
+
+    @classmethod
+    def new(cls, spec: JobSpec) -> JobState:
+        initial = spec.elastic.initial_nodes or spec.elastic.max_nodes
+        return cls(
+            spec=spec,
+            target=initial,
+            ceiling=spec.elastic.max_nodes,
+            owed=initial - spec.on_demand.base_nodes,
+        )
+
+    def node(self, slot: int) -> NodeRecord:
+        return next(n for n in self.nodes if n.slot == slot)
+
+    def node_by_id(self, node_id: str) -> NodeRecord | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    @property
+    def member_nodes(self) -> list[NodeRecord]:
+        return [self.node(slot) for slot in self.members]
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.procs for n in self.member_nodes) if self.running else 0
+
+    def remember(self, event_id: str | None) -> bool:
+        """False if this event id was seen before (signals carry no dedupe id of their own)."""
+        if event_id is None:
+            return True
+        if event_id in self.seen_events:
+            return False
+        self.seen_events = [*self.seen_events[-(SEEN_EVENTS_KEPT - 1) :], event_id]
+        return True
+
+    def record(self, now: datetime, event: str, detail: str = "") -> None:
+        entry = TimelineEntry(
+            time=now,
+            generation=self.generation,
+            world_size=self.world_size,
+            event=event,
+            detail=detail,
+        )
+        self.timeline = [*self.timeline[-(TIMELINE_KEPT - 1) :], entry]
+
+    def costs(self, now: datetime) -> tuple[dict[str, float], dict[str, float], float]:
+        """(node-hours by lifecycle, cost by lifecycle, cost had every node been on-demand)."""
+        hours = {"spot": 0.0, "on-demand": 0.0}
+        cost = {"spot": 0.0, "on-demand": 0.0}
+        all_on_demand = 0.0
+        for n in self.nodes:
+            h = n.hours(now)
+            hours[n.lifecycle] += h
+            cost[n.lifecycle] += h * n.price
+            all_on_demand += h * n.on_demand_price
+        return hours, cost, all_on_demand
+
+
+class NodeView(BaseModel):
+    node_id: str | None
+    slot: int
+    lifecycle: Lifecycle
+    instance_type: str
+    zone: str | None
+    state: NodeState
+    reason: str | None
+    price: float
+    rank: int | None
+
+
+class JobStatus(BaseModel):
+    """The `status` query's answer."""
+
+    name: str
+    phase: Phase
+    generation: int
+    world_size: int
+    target_nodes: int
+    step: int
+    total_steps: int
+    checkpoint_step: int
+    reclaims: int
+    faults: int
+    resizes: int
+    steps_lost: int
+    cost_so_far: float
+    nodes: list[NodeView]
+    timeline: list[TimelineEntry]
+    failure: str | None = None
+
+
+class JobResult(BaseModel):
+    """What a finished job returns (and what `spotrain report` explains)."""
+
+    name: str
+    phase: Phase
+    failure: str | None
+    generations: int
+    reclaims: int
+    faults: int
+    resizes: int
+    steps_done: int
+    steps_lost: int
+    node_hours: dict[str, float]
+    cost: dict[str, float]
+    total_cost: float
+    all_on_demand_cost: float
+    savings: float = Field(description="fraction saved versus all on-demand")
+    continued_as_new: int
+    timeline: list[TimelineEntry]
