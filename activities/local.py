@@ -210,6 +210,7 @@ class LocalRuntime:
                 env = worker_env.rank_env(
                     plan, node_index, local_rank, master_port=port, control_file=control
                 )
+                env["MASTER_ADDR"] = "127.0.0.1"  # every "node" of this runtime is this machine
                 self._launch(r, plan.command, env, member.node_id)
 
     def _launch(self, r: Rank, command: list[str], env: dict[str, str], node_id: str) -> None:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from temporalio.testing import WorkflowEnvironment
-
-from spotrain.workflows.state import JobResult
 
 from .jobs import job_spec, record_history, simulated
 

@@ -36,10 +36,9 @@ from temporalio.api.workflowservice.v1 import (
     SignalWorkflowExecutionRequest,
 )
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.envconfig import ClientConfig
 from temporalio.service import RPCError, RPCStatusCode
 
+from spotrain.workers.connect import connect
 from spotrain.workers.webhook_auth import AuthConfig, SnsVerifier, check_headers, is_sns_url
 from spotrain.workers.webhook_events import (
     Ignored,
@@ -461,14 +460,6 @@ async def serve(client: Client, config: WebhookConfig) -> None:
         await asyncio.Event().wait()
     finally:
         await service.stop()
-
-
-async def connect() -> Client:
-    """Temporal's standard settings (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY,
-    TLS, profiles), defaulting to localhost:7233."""
-    settings: dict[str, Any] = {"target_host": "localhost:7233"}
-    settings.update(ClientConfig.load_client_connect_config())
-    return await Client.connect(**settings, data_converter=pydantic_data_converter)
 
 
 def main() -> None:

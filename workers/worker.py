@@ -1,0 +1,129 @@
+"""The Temporal worker: TrainingJob workflows plus one node provider and one worker runtime.
+
+The workflow calls activities by name and never knows which implementation answers: the
+worker picks them when it starts. It holds no state of its own, so it can be killed and
+restarted (or redeployed) at any moment; running jobs carry on from Temporal's history.
+
+    python -m spotrain.workers.worker --provider ec2 --runtime local
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from spotrain.workers.connect import TASK_QUEUE, connect
+from spotrain.workflows.training_job import TrainingJob
+
+PROVIDERS = ("ec2", "simulated")
+RUNTIMES = ("local", "kubernetes", "simulated")
+DEFAULT_STATE_DIR = Path(os.environ.get("SPOTRAIN_STATE_DIR", Path.home() / ".spotrain"))
+
+
+def build_activities(provider: str, runtime: str, state_dir: Path) -> list[Callable[..., Any]]:
+    """The activity implementations for one cloud and one kind of worker."""
+    activities: list[Callable[..., Any]] = []
+    if provider == "ec2":
+        from spotrain.activities.ec2 import EC2Provider
+
+        activities += EC2Provider.from_env().activities()
+    elif provider == "simulated":
+        from spotrain.activities.simulated import SimulatedCloud
+
+        activities += SimulatedCloud().activities()
+    else:
+        raise ValueError(f"unknown provider {provider!r}: choose from {', '.join(PROVIDERS)}")
+    if runtime == "local":
+        from spotrain.activities.local import LocalRuntime
+
+        activities += LocalRuntime(state_dir).activities()
+    elif runtime == "kubernetes":
+        from spotrain.activities.kube import KubeRuntime
+
+        activities += KubeRuntime(
+            namespace=os.environ.get("SPOTRAIN_K8S_NAMESPACE", "spotrain")
+        ).activities()
+    elif runtime == "simulated":
+        from spotrain.activities.simulated import SimulatedRuntime
+
+        activities += SimulatedRuntime().activities()
+    else:
+        raise ValueError(f"unknown runtime {runtime!r}: choose from {', '.join(RUNTIMES)}")
+    return activities
+
+
+async def run_worker(
+    client: Client,
+    activities: list[Callable[..., Any]],
+    task_queue: str = TASK_QUEUE,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until `stop` is set (or forever); in-flight activity attempts are abandoned to
+    Temporal's retries, which every activity is written to survive."""
+    with ThreadPoolExecutor(max_workers=64, thread_name_prefix="activity") as pool:
+        worker = Worker(
+            client,
+            task_queue=task_queue,
+            workflows=[TrainingJob],
+            activities=activities,
+            activity_executor=pool,
+            max_concurrent_activities=64,
+            graceful_shutdown_timeout=timedelta(seconds=5),
+        )
+        async with worker:
+            await (stop or asyncio.Event()).wait()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spotrain worker",
+        description="Run the Temporal worker that drives TrainingJob workflows.",
+        epilog="Temporal connection: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, "
+        "TEMPORAL_PROFILE (the SDK's standard settings). EC2: boto3's standard credential "
+        "chain plus SPOTRAIN_EC2_ENDPOINT, SPOTRAIN_AMI, SPOTRAIN_SUBNETS.",
+    )
+    p.add_argument("--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE))
+    p.add_argument(
+        "--provider", choices=PROVIDERS, default=os.environ.get("SPOTRAIN_PROVIDER", "ec2")
+    )
+    p.add_argument(
+        "--runtime", choices=RUNTIMES, default=os.environ.get("SPOTRAIN_RUNTIME", "local")
+    )
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="local runtime state")
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    activities = build_activities(args.provider, args.runtime, args.state_dir)
+    client = await connect()
+    logging.info(
+        "spotrain worker on task queue %r (provider %s, runtime %s)",
+        args.task_queue,
+        args.provider,
+        args.runtime,
+    )
+    await run_worker(client, activities, args.task_queue, stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    asyncio.run(serve(parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
