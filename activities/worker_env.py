@@ -8,9 +8,12 @@ scale_config and its share of an uneven global batch.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-from spotrain.workflows.contract import GenerationPlan
 from spotrain.workflows.planner import local_batch_size
+
+if TYPE_CHECKING:  # keeps pydantic out of every training process's start-up
+    from spotrain.workflows.contract import GenerationPlan
 
 JOB = "SPOTRAIN_JOB"
 GENERATION = "SPOTRAIN_GENERATION"
