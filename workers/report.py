@@ -1,0 +1,218 @@
+"""`spotrain report NAME`: what a job did and what it cost, as text, JSON, a picture or a page.
+
+A finished job is explained from its `JobResult` (full timeline, cost by lifecycle); a running
+one from the `status` query (the recent timeline and the cost so far). Both become one
+`Report`, so every output format renders the same facts.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from pathlib import Path
+
+from pydantic import BaseModel
+from rich.console import Console, Group
+from rich.table import Table
+
+from spotrain.workflows.state import JobResult, JobStatus, TimelineEntry
+
+LIFECYCLES = ("spot", "on-demand")
+# Timeline events drawn as markers on the plot, with their colour.
+MARKED = {
+    "fault": "tab:red",
+    "generation checkpointed": "tab:green",
+    "generation stopped": "tab:orange",
+    "scale in": "tab:purple",
+    "scale out": "tab:purple",
+    "paused": "tab:gray",
+}
+
+
+class Cost(BaseModel):
+    """USD. By-lifecycle figures and savings are known only once the job has finished."""
+
+    total: float
+    spot: float | None = None
+    on_demand: float | None = None
+    all_on_demand: float | None = None
+    savings: float | None = None
+
+
+class Report(BaseModel):
+    """The `--json` shape of `spotrain report`."""
+
+    name: str
+    phase: str
+    finished: bool
+    failure: str | None
+    generations: int
+    reclaims: int
+    faults: int
+    resizes: int
+    steps_done: int
+    total_steps: int | None
+    steps_lost: int
+    node_hours: dict[str, float] | None
+    cost: Cost
+    timeline: list[TimelineEntry]
+
+    @classmethod
+    def from_result(cls, r: JobResult) -> Report:
+        return cls(
+            name=r.name,
+            phase=r.phase,
+            finished=True,
+            failure=r.failure,
+            generations=r.generations,
+            reclaims=r.reclaims,
+            faults=r.faults,
+            resizes=r.resizes,
+            steps_done=r.steps_done,
+            total_steps=None,
+            steps_lost=r.steps_lost,
+            node_hours=r.node_hours,
+            cost=Cost(
+                total=r.total_cost,
+                spot=r.cost.get("spot", 0.0),
+                on_demand=r.cost.get("on-demand", 0.0),
+                all_on_demand=r.all_on_demand_cost,
+                savings=r.savings,
+            ),
+            timeline=r.timeline,
+        )
+
+    @classmethod
+    def from_status(cls, s: JobStatus) -> Report:
+        return cls(
+            name=s.name,
+            phase=s.phase,
+            finished=s.phase in ("Succeeded", "Failed", "Cancelled"),
+            failure=s.failure,
+            generations=s.generation,
+            reclaims=s.reclaims,
+            faults=s.faults,
+            resizes=s.resizes,
+            steps_done=s.step,
+            total_steps=s.total_steps,
+            steps_lost=s.steps_lost,
+            node_hours=None,
+            cost=Cost(total=s.cost_so_far),
+            timeline=s.timeline,
+        )
+
+
+def _usd(value: float | None) -> str:
+    return "-" if value is None else f"${value:,.2f}"
+
+
+def tables(report: Report) -> Group:
+    """The terminal rendering: summary, timeline, cost."""
+    steps = f"{report.steps_done}" + (f"/{report.total_steps}" if report.total_steps else "")
+    summary = (
+        f"[bold]{report.name}[/] {report.phase}"
+        f"{'' if report.finished else ' (running: recent timeline, cost so far)'}\n"
+        f"generations {report.generations}, reclaims {report.reclaims}, faults "
+        f"{report.faults}, resizes {report.resizes}, steps {steps}, lost to reclaims "
+        f"{report.steps_lost}" + (f"\n[red]failure: {report.failure}[/]" if report.failure else "")
+    )
+    timeline = Table("time", "gen", "world", "event", "detail", title="timeline")
+    for e in report.timeline:
+        timeline.add_row(
+            e.time.strftime("%H:%M:%S"), str(e.generation), str(e.world_size), e.event, e.detail
+        )
+    cost = Table("", "node-hours", "cost", title="cost")
+    hours = report.node_hours or {}
+    cost.add_row("spot", f"{hours.get('spot', 0):.3f}" if hours else "-", _usd(report.cost.spot))
+    cost.add_row(
+        "on-demand",
+        f"{hours.get('on-demand', 0):.3f}" if hours else "-",
+        _usd(report.cost.on_demand),
+    )
+    cost.add_row("total", "", _usd(report.cost.total))
+    cost.add_row("all on-demand", "", _usd(report.cost.all_on_demand))
+    savings = report.cost.savings
+    cost.add_row("savings", "", "-" if savings is None else f"{savings:.0%}")
+    return Group(summary, timeline, cost)
+
+
+def print_report(report: Report, console: Console) -> None:
+    console.print(tables(report))
+
+
+def _seconds(report: Report) -> list[float]:
+    start = report.timeline[0].time
+    return [(e.time - start).total_seconds() for e in report.timeline]
+
+
+def nodes_over_time(report: Report) -> dict[str, list[int]]:
+    """Live nodes by lifecycle after each timeline entry: +1 on "node ready", -1 on "node
+    released" / "node gone" (entries whose detail starts with the lifecycle)."""
+    live = dict.fromkeys(LIFECYCLES, 0)
+    series: dict[str, list[int]] = {k: [] for k in LIFECYCLES}
+    for e in report.timeline:
+        lifecycle = e.detail.split(" ", 1)[0]
+        if lifecycle in live:
+            if e.event == "node ready":
+                live[lifecycle] += 1
+            elif e.event in ("node released", "node gone"):
+                live[lifecycle] = max(0, live[lifecycle] - 1)
+        for k in LIFECYCLES:
+            series[k].append(live[k])
+    return series
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed; the message says how to install it."""
+
+
+def plot(report: Report, path: Path) -> None:
+    """World size and nodes by lifecycle over time, with reclaims, checkpoints and faults
+    marked: the picture of a job's life on spot capacity."""
+    if not report.timeline:
+        raise ValueError(f"job {report.name} has no timeline yet")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable(
+            "--plot needs matplotlib: pip install 'spotrain[report]' (or pip install matplotlib)"
+        ) from None
+    x = _seconds(report)
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
+    top.step(x, [e.world_size for e in report.timeline], where="post", color="tab:blue", lw=2)
+    top.set_ylabel("world size")
+    top.set_title(f"{report.name}: {report.phase}, {report.reclaims} reclaim(s)")
+    for lifecycle, counts in nodes_over_time(report).items():
+        bottom.step(x, counts, where="post", label=lifecycle, lw=2)
+    bottom.set_ylabel("nodes")
+    bottom.set_xlabel("seconds since submission")
+    bottom.legend(loc="upper right")
+    seen: set[str] = set()
+    for t, e in zip(x, report.timeline, strict=True):
+        color = MARKED.get(e.event)
+        if color is None:
+            continue
+        for ax in (top, bottom):
+            ax.axvline(t, color=color, ls="--", lw=1, label=None if e.event in seen else e.event)
+        seen.add(e.event)
+    if seen:
+        top.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def to_html(report: Report, image: Path | None = None) -> str:
+    """A self-contained page to share: the same summary, timeline and cost tables."""
+    console = Console(record=True, width=120, file=io.StringIO())  # only the export is kept
+    console.print(tables(report))
+    body = console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
+    picture = f'<img src="{html.escape(str(image))}" alt="timeline plot">' if image else ""
+    title = html.escape(f"spotrain report: {report.name}")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
+        f"<body><h1>{title}</h1>{picture}{body}</body></html>"
+    )
