@@ -127,9 +127,15 @@ async def simulated(
 
 
 async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
-    """With SPOTRAIN_RECORD=1, save the run's history for the replay tests (on purpose only)."""
+    """With SPOTRAIN_RECORD=1, save every run of the job (continue-as-new makes several) for
+    the replay tests. Re-recording is deliberate: see tests/test_replay.py."""
     if os.environ.get("SPOTRAIN_RECORD") != "1":
         return
-    history = await handle.fetch_history()
     HISTORIES.mkdir(exist_ok=True)
-    (HISTORIES / f"{name}.json").write_text(history.to_json())
+    for old in HISTORIES.glob(f"{name}-run*.json"):
+        old.unlink()
+    client = handle._client
+    runs = [r async for r in client.list_workflows(f"WorkflowId = '{handle.id}'")]
+    for i, run in enumerate(sorted(runs, key=lambda r: r.start_time)):
+        history = await client.get_workflow_handle(handle.id, run_id=run.run_id).fetch_history()
+        (HISTORIES / f"{name}-run{i + 1}.json").write_text(history.to_json())

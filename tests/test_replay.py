@@ -1,0 +1,31 @@
+"""Determinism guard: every recorded history under tests/histories replays against the current
+TrainingJob code. A change that breaks replay must be versioned with `workflow.patched` or the
+histories re-recorded on purpose:
+
+    SPOTRAIN_RECORD=1 python -m pytest tests/test_workflow_scenarios.py tests/test_workflow_basic.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from spotrain.workflows.training_job import TrainingJob
+
+HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+
+
+def test_histories_were_recorded() -> None:
+    assert len(HISTORIES) >= 3, "record histories with SPOTRAIN_RECORD=1 (see module docstring)"
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+async def test_history_replays(path: Path) -> None:
+    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    replayer = Replayer(workflows=[TrainingJob], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
+    assert result.replay_failure is None
