@@ -1,0 +1,425 @@
+"""The chaos suite's harness: a Temporal dev server it can SIGKILL and restart from its SQLite
+file, spotrain workers as real subprocesses (optionally with a crash point), one elastic job
+through a reclaim-resize-replace cycle, and the checks every scenario ends with.
+
+What is real: the `temporal` dev server binary, the worker process (the production worker, or
+`crash_worker` = the same worker plus a crash point), moto's server on loopback (in the test
+process, so the backend can be inspected and faults injected), the local runtime's rank
+processes (`train.py`, the real training library) and the file checkpoint store.
+
+One shortcut, on by default: a SIGKILLed worker's activity attempts are only retried once
+their heartbeat timeout (60 s) or, for `release_nodes`, their start-to-close timeout (5 min)
+expires. To fit CI, `fail_orphaned_attempts` fails those attempts by id at once, which is
+what the server itself does at the timeout. CHAOS_REAL_TIMEOUTS=1 waits for the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from moto.core import DEFAULT_ACCOUNT_ID
+from moto.ec2 import models
+from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+
+from spotrain.activities.ec2 import LIVE_STATES, TAG_JOB, TAG_SLOT
+from spotrain.activities.store import JobStore
+from spotrain.workers.binaries import temporal_cli
+from spotrain.workflows import attributes
+from spotrain.workflows.state import JobResult, JobStatus
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = Path(__file__).with_name("train.py")
+FULL = os.environ.get("CHAOS_FULL") == "1"
+REAL_TIMEOUTS = os.environ.get("CHAOS_REAL_TIMEOUTS") == "1"
+TOTAL_STEPS = 1200  # 24 s of 20 ms steps: room for a whole cycle plus crash recovery
+CYCLE_SIZES = [4, 2, 4]  # 2 nodes x 2 ranks; reclaim one node; its replacement joins
+Handle = WorkflowHandle[Any, Any]
+
+_SA_TYPES = {"KEYWORD": "Keyword", "INT": "Int", "DOUBLE": "Double", "KEYWORD_LIST": "KeywordList"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TemporalServer:
+    """`temporal server start-dev` on fixed ports with an SQLite file: kill -9 and restart."""
+
+    def __init__(self, db: Path, log: Path) -> None:
+        self.db, self.log = db, log
+        self.port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        sa = [
+            f"{k.name}={_SA_TYPES[k.indexed_value_type.name.removeprefix('INDEXED_VALUE_TYPE_')]}"
+            for k in attributes.ALL
+        ]
+        args = [temporal_cli(), "server", "start-dev", "--headless", "--ip", "127.0.0.1"]
+        args += ["--db-filename", str(self.db), "--port", str(self.port)]
+        args += ["--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port)]
+        args += ["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=200"]
+        for item in sa:
+            args += ["--search-attribute", item]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError as err:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"dev server did not start: see {self.log}") from err
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, whatever was in flight is lost but what SQLite committed."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    async def client(self) -> Client:
+        return await Client.connect(self.address, data_converter=pydantic_data_converter)
+
+
+class WorkerProcess:
+    """One spotrain worker (EC2 provider on moto, local runtime) as a subprocess."""
+
+    def __init__(self, env: ChaosEnv, queue: str, crash: str | None = None) -> None:
+        self.log = env.root / f"worker-{queue}.log"
+        module = "tests.chaos.crash_worker" if crash else "spotrain.workers.worker"
+        extra = {}
+        if crash:
+            extra = {
+                "CHAOS_CRASH": crash,
+                "CHAOS_ARM": str(env.arm_file(queue)),
+                "CHAOS_FIRED": str(env.fired_file(queue)),
+            }
+        args = ["--provider", "ec2", "--runtime", "local", "--task-queue", queue]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, *args, "--state-dir", str(env.state_dir)],
+                cwd=REPO,
+                env={**os.environ, **env.worker_env(), **extra},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def died(self) -> bool:
+        return self.proc.poll() is not None
+
+    def stop(self) -> None:
+        """SIGTERM (the worker's graceful shutdown), then SIGKILL if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class ChaosEnv:
+    """Everything a scenario needs: the server, a client, moto, a scratch directory."""
+
+    server: TemporalServer
+    client: Client
+    moto: str
+    root: Path
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    def arm_file(self, queue: str) -> Path:
+        return self.root / f"{queue}.arm"
+
+    def fired_file(self, queue: str) -> Path:
+        return self.root / f"{queue}.fired"
+
+    def records(self, job: str) -> Path:
+        return self.root / "records" / job
+
+    def worker_env(self) -> dict[str, str]:
+        return {
+            "TEMPORAL_ADDRESS": self.server.address,
+            "SPOTRAIN_EC2_ENDPOINT": self.moto,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def spec(self, job: str, **elastic: Any) -> dict[str, Any]:
+        """A 2-node x 2-rank job of TOTAL_STEPS steps of `train.py`, second-scale timeouts."""
+        self.records(job).mkdir(parents=True, exist_ok=True)
+        return {
+            "name": job,
+            "type": "command",
+            "command": [sys.executable, str(TRAIN)],
+            "env": {"CHAOS_RECORD_DIR": str(self.records(job))},
+            "procs_per_node": 2,
+            "total_steps": TOTAL_STEPS,
+            "checkpoint": f"file://{self.root}/ckpt/{job}",
+            "cleanup": "always",
+            "elastic": {
+                "min_nodes": 1,
+                "max_nodes": 2,
+                "graceful_shutdown_timeout_s": 5,
+                "scaling_timeout_s": 1,
+                "faulty_scale_down_timeout_s": 3,
+                "capacity_check_interval_s": 1,
+                "progress_report_interval_s": 1,
+                "stall_timeout_s": 20,
+                **elastic,
+            },
+            "spot": {
+                "instance_types": [
+                    {"name": "g5.xlarge", "gpus": 1, "on_demand_price": 1.0, "spot_price": 0.3}
+                ],
+                "zones": ["us-east-1a", "us-east-1b"],
+            },
+        }
+
+    async def start(self, spec: dict[str, Any]) -> Handle:
+        return await self.client.start_workflow(
+            "TrainingJob", spec, id=spec["name"], task_queue=spec["name"], result_type=JobResult
+        )
+
+
+async def status(handle: Handle) -> JobStatus | None:
+    """The `status` query, or None while no worker answers."""
+    try:
+        return await handle.query("status", result_type=JobStatus, rpc_timeout=timedelta(seconds=5))
+    except Exception:  # no worker yet, a worker mid-restart, a server mid-restart
+        return None
+
+
+async def until(
+    handle: Handle, check: Callable[[JobStatus], bool], timeout: float = 90
+) -> JobStatus:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = await status(handle)
+        if last is not None and check(last):
+            return last
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out; last status: {last}")
+
+
+def running(world: int, min_step: int = 0) -> Callable[[JobStatus], bool]:
+    return lambda s: s.phase == "Running" and s.world_size == world and s.step >= min_step
+
+
+def member(status: JobStatus, node_rank: int) -> str:
+    return next(n.node_id or "" for n in status.nodes if n.rank == node_rank)
+
+
+async def reclaim(handle: Handle, node_id: str, event_id: str, in_s: float = 30) -> None:
+    deadline = (datetime.now(UTC) + timedelta(seconds=in_s)).isoformat()
+    await handle.signal("reclaim", {"node_id": node_id, "deadline": deadline, "event_id": event_id})
+
+
+async def fail_orphaned_attempts(client: Client, job: str) -> int:
+    """Fail the activity attempts a killed worker held, as their timeouts would (see module)."""
+    if REAL_TIMEOUTS:
+        return 0
+    desc = await client.get_workflow_handle(job).describe()
+    failed = 0
+    for pa in desc.raw_description.pending_activities:
+        if pa.state != PendingActivityState.PENDING_ACTIVITY_STATE_STARTED:
+            continue
+        handle = client.get_async_activity_handle(
+            workflow_id=job, run_id=desc.run_id, activity_id=pa.activity_id
+        )
+        try:
+            await handle.fail(ApplicationError("worker SIGKILLed", type="WorkerKilled"))
+            failed += 1
+        except RPCError:
+            pass  # it completed or timed out meanwhile
+    return failed
+
+
+async def supervise(
+    env: ChaosEnv, handle: Handle, worker: WorkerProcess, timeout: float = 240
+) -> tuple[JobResult | BaseException, int]:
+    """Wait for the job's end, replacing a dead worker with a fresh (crash-free) one each time.
+    Returns the result (or the exception it ended with) and how many workers died."""
+    job = handle.id
+    outcome = asyncio.ensure_future(handle.result())
+    deaths = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while not outcome.done():
+            if time.monotonic() > deadline:
+                outcome.cancel()
+                raise AssertionError(f"{job}: no result after {timeout:.0f}s (see {env.root})")
+            if worker.died():
+                deaths += 1
+                await fail_orphaned_attempts(env.client, job)
+                worker = WorkerProcess(env, job)
+            await asyncio.wait([outcome], timeout=0.3)
+    finally:
+        worker.stop()
+    return (outcome.exception() or outcome.result()), deaths
+
+
+# --- what every scenario checks ------------------------------------------------------------
+
+
+def ec2_backend() -> Any:
+    return models.ec2_backends[DEFAULT_ACCOUNT_ID]["us-east-1"]
+
+
+def job_instances(job: str) -> list[tuple[str, int, str]]:
+    """(instance id, slot, state) of every instance ever launched for `job` (moto's record)."""
+    found = []
+    for instance in ec2_backend().all_instances():
+        tags = {t["key"]: t["value"] for t in instance.get_tags()}
+        if tags.get(TAG_JOB) == job:
+            found.append((instance.id, int(tags[TAG_SLOT]), instance.state))
+    return found
+
+
+def rank_processes(job: str) -> list[int]:
+    """Live processes (any, not only the runtime's) whose environment names `job`."""
+    marker = f"SPOTRAIN_JOB={job}\0".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker in (proc / "environ").read_bytes():
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state not in ("Z", "X"):
+                    pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@dataclass
+class Generation:
+    """One generation as its ranks recorded it."""
+
+    number: int
+    world: int
+    nodes: set[str]
+    start: int  # rank 0 resumed from this step
+    last: int  # rank 0's last step
+    contiguous: bool
+    ranks: int
+    acked: bool
+
+
+def generations(job: str, records: Path) -> list[Generation]:
+    gens: dict[int, list[tuple[int, list[str]]]] = {}
+    for path in records.glob("gen-*-rank-*.steps"):
+        _, gen, _, rank = path.stem.split("-")
+        gens.setdefault(int(gen), []).append((int(rank), path.read_text().splitlines()))
+    out = []
+    for number, ranks in sorted(gens.items()):
+        nodes = {lines[0].split()[5] for _, lines in ranks}
+        lines0 = dict(ranks)[0]
+        head = lines0[0].split()
+        steps = [int(x) for x in lines0[1:] if x.isdigit()]
+        start = int(head[1])
+        out.append(
+            Generation(
+                number=number,
+                world=int(head[3]),
+                nodes=nodes,
+                start=start,
+                last=steps[-1] if steps else start,
+                contiguous=steps == list(range(start + 1, start + 1 + len(steps))),
+                ranks=len(ranks),
+                acked="acked" in lines0,
+            )
+        )
+    return out
+
+
+@dataclass
+class Figures:
+    """What one scenario proves, in the report's columns."""
+
+    scenario: str
+    tried: int = 1
+    survived: int = 0
+    duplicates: int = 0
+    leaks: int = 0
+    lost_steps: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def write(self) -> None:
+        """Append to CHAOS_RESULTS (set by bench/chaos_report.py) for the report's table."""
+        path = os.environ.get("CHAOS_RESULTS")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(asdict(self)) + "\n")
+
+
+def check_job(
+    env: ChaosEnv, job: str, *, completed: bool = True, sizes: list[int] | None = None
+) -> Figures:
+    """Duplicates, leaks, and (for a completed job) steps and checkpoints, from the record
+    each side keeps itself: moto's backend, /proc, the ranks' step files, the store."""
+    fig = Figures(job)
+    slots = [slot for _, slot, _ in job_instances(job)]
+    fig.duplicates = len(slots) - len(set(slots))
+    live = [i for i, _, state in job_instances(job) if state in LIVE_STATES]
+    procs = rank_processes(job)
+    fig.leaks = len(live) + len(procs)
+    if fig.duplicates:
+        fig.problems.append(f"duplicate instances for slots {sorted(slots)}")
+    if fig.leaks:
+        fig.problems.append(f"left running: instances {live}, processes {procs}")
+    if not completed:
+        return fig
+    gens = generations(job, env.records(job))
+    for prev, nxt in itertools.pairwise(gens):
+        if nxt.start > prev.last:
+            fig.problems.append(f"steps {prev.last + 1}..{nxt.start} never ran")
+        fig.lost_steps += max(0, prev.last - nxt.start)
+    done = sum(g.last - g.start for g in gens) - fig.lost_steps
+    if done != TOTAL_STEPS or not gens or gens[-1].last != TOTAL_STEPS:
+        fig.problems.append(f"steps add up to {done}, not {TOTAL_STEPS}")
+    if not all(g.contiguous and g.ranks == g.world for g in gens):
+        fig.problems.append(f"a generation skipped steps or ranks: {gens}")
+    if sizes is not None and [g.world for g in gens] != sizes:
+        fig.problems.append(f"world sizes {[g.world for g in gens]}, planned {sizes}")
+    store = JobStore(f"file://{env.root}/ckpt/{job}")
+    latest, finished = store.latest_checkpoint(), store.done()
+    if not latest or latest["step"] != TOTAL_STEPS or not finished:
+        fig.problems.append(f"checkpoint store: latest {latest}, done {finished}")
+    for g in gens[:-1]:
+        if g.acked and len(store.acked_ranks(g.number)) != g.world:
+            fig.problems.append(f"generation {g.number}: acks {store.acked_ranks(g.number)}")
+    return fig

@@ -1,0 +1,86 @@
+"""Crash-point sweep: SIGKILL the worker at each point of a reclaim-resize-replace cycle.
+
+Each point runs its own job (2 nodes x 2 ranks, one node reclaimed with notice, a replacement
+joins) on its own task queue with a worker that kills itself there; a fresh worker takes over.
+The points run concurrently to fit CI; CHAOS_FULL=1 adds more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+from .harness import (
+    CYCLE_SIZES,
+    FULL,
+    ChaosEnv,
+    Figures,
+    WorkerProcess,
+    check_job,
+    member,
+    reclaim,
+    running,
+    supervise,
+    until,
+)
+
+POINTS = [
+    "before:stop_generation",
+    "elastic-event-raised",
+    "after:stop_generation",
+    "before:release_nodes",
+    "api:TerminateInstances",
+    "after:release_nodes",
+    "before:find_offers",
+    "before:launch_node",
+    "api:RunInstances",
+    "after:launch_node",
+    "before:start_generation",
+    "some-ranks-started",
+    "after:start_generation",
+    "before:watch_generation",
+    "after:describe_nodes",
+    "before:cleanup_job",
+]
+FULL_POINTS = [
+    "after:find_offers",
+    "after:watch_generation",
+    "before:describe_nodes",
+    "api:DescribeInstances",
+    "after:cleanup_job",
+]
+CONCURRENT = 8
+
+
+async def crash_cycle(env: ChaosEnv, point: str, limit: asyncio.Semaphore) -> Figures:
+    """One job through the cycle with the worker killed at `point`; its figures."""
+    job = "crash-" + re.sub(r"[^a-z0-9]+", "-", point.lower()).strip("-")
+    async with limit:
+        worker = WorkerProcess(env, job, crash=point)
+        handle = await env.start(env.spec(job))
+        before = await until(handle, running(4, min_step=20))
+        env.arm_file(job).touch()
+        await reclaim(handle, member(before, 1), f"{job}-notice")
+        result, deaths = await supervise(env, handle, worker)
+    fig = check_job(env, job, sizes=CYCLE_SIZES)
+    fig.scenario = f"crash at {point}"
+    fired = env.fired_file(job)
+    if not fired.exists() or deaths != 1:
+        fig.problems.append(f"crash point not reached ({deaths} worker deaths)")
+    if getattr(result, "phase", None) != "Succeeded":
+        fig.problems.append(f"job ended with {result!r}")
+    fig.survived = int(not fig.problems)
+    return fig
+
+
+async def test_worker_killed_at_every_point_of_a_reclaim_cycle(chaos_env: ChaosEnv) -> None:
+    limit = asyncio.Semaphore(CONCURRENT)
+    only = os.environ.get("CHAOS_POINTS")  # a comma-separated subset, to chase one failure
+    points = only.split(",") if only else POINTS + (FULL_POINTS if FULL else [])
+    figures = await asyncio.gather(*(crash_cycle(chaos_env, p, limit) for p in points))
+    for fig in figures:
+        fig.write()
+    failed = {f.scenario: f.problems for f in figures if f.problems}
+    assert not failed, failed
+    assert len(figures) >= (1 if only else 12)
