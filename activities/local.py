@@ -318,6 +318,15 @@ class LocalRuntime:
                     killed.append(r.rank)
         return killed
 
+    def live_ranks(self, job: str) -> list[tuple[int, int]]:
+        """(generation, rank) of every process of the job still running: leak checks."""
+        return [
+            (generation, r.rank)
+            for generation in self._generations(job)
+            for r in self._ranks(job, generation)
+            if r.alive
+        ]
+
     # --- helpers -------------------------------------------------------------------------
 
     @staticmethod

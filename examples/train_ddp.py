@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -89,6 +90,9 @@ def load(model: nn.Module, optim: torch.optim.Optimizer) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", type=Path, help="append consumed positions and losses here")
+    parser.add_argument(
+        "--step-time", type=float, default=0.0, help="sleep per step, to stand in for a big model"
+    )
     args = parser.parse_args()
 
     s = elastic.settings()
@@ -127,6 +131,8 @@ def main() -> int:
         optim.step()
         optim.zero_grad()
         step += 1
+        if args.step_time:
+            time.sleep(args.step_time)
         # One all-reduce: the global loss, and whether any rank saw the elastic event.
         flags = torch.tensor([sse.item(), float(elastic.elastic_event_detected())], device=device)
         dist.all_reduce(flags)
