@@ -37,7 +37,7 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
-from temporalio.common import TypedSearchAttributes
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.envconfig import ClientConfig
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -106,7 +106,7 @@ def rpc_error(e: RPCError, job: str | None) -> CliError:
 
 
 async def job(args: argparse.Namespace) -> WorkflowHandle[Any, Any]:
-    return (await client()).get_workflow_handle(args.name)
+    return (await client()).get_workflow_handle(args.name, result_type=JobResult)
 
 
 async def query_status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
@@ -127,7 +127,7 @@ async def build_report(handle: WorkflowHandle[Any, Any]) -> Report:
     if await is_running(handle):
         return Report.from_status(await query_status(handle))
     try:
-        return Report.from_result(await handle.result(result_type=JobResult))
+        return Report.from_result(await handle.result())
     except WorkflowFailureError as e:
         cause = e.cause
         if isinstance(cause, ApplicationError) and cause.type == JOB_FAILED and cause.details:
@@ -173,9 +173,8 @@ def load_spec(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise CliError(
-            f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {e}", USAGE
-        ) from None
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise CliError(f"{path}: not valid {kind}: {e}", USAGE) from None
     try:
         spec = parse_spec(data)
     except SpecError as e:
@@ -193,8 +192,12 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             spec,
             id=name,
             task_queue=args.task_queue,
+            result_type=JobResult,
             search_attributes=TypedSearchAttributes(
-                [attributes.JOB.value_set(name), attributes.PHASE.value_set("Pending")]
+                [
+                    SearchAttributePair(attributes.JOB, name),
+                    SearchAttributePair(attributes.PHASE, "Pending"),
+                ]
             ),
             static_summary=f"training job {name}: {spec['total_steps']} steps",
         )
@@ -425,7 +428,9 @@ async def cmd_gc(args: argparse.Namespace) -> int:
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     from spotrain.activities.local import LocalRuntime
+    from spotrain.workers.worker import DEFAULT_STATE_DIR
 
+    args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     path = LocalRuntime(args.state_dir).log_path(args.name, args.rank, args.generation)
     if not path.exists():
         raise CliError(
@@ -581,8 +586,6 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--region", default=None)
     c.add_argument("--json", action="store_true")
 
-    from spotrain.workers.worker import DEFAULT_STATE_DIR
-
     c = named(
         "logs",
         cmd_logs,
@@ -592,7 +595,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--rank", type=int, default=0)
     c.add_argument("--generation", type=int, default=None, help="default: the latest")
     c.add_argument("--follow", "-f", action="store_true")
-    c.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    c.add_argument("--state-dir", type=Path, help="default: the worker's (~/.spotrain)")
 
     c = named(
         "report",

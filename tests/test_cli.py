@@ -1,0 +1,306 @@
+"""The `spotrain` CLI as users run it: a real subprocess against the real Temporal dev server,
+with a TrainingJob worker (simulated cloud and runtime, seconds instead of minutes) in this
+test process, the real reclaim webhook on loopback and moto's EC2 server for `gc`.
+
+The subprocesses run through asyncio so that the worker in this event loop keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import pytest_asyncio
+import yaml
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import WorkflowEnvironment
+
+from spotrain.activities.ec2 import MANAGED, TAG_JOB
+from spotrain.activities.local import LocalRuntime
+from spotrain.workers.webhook import WebhookConfig, WebhookService
+from spotrain.workers.webhook_auth import AuthConfig
+from spotrain.workflows.state import JobStatus
+
+from .jobs import Sim, fast_runtime, fast_spec, simulated
+
+TOKEN = "cli-test-token"
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+@dataclass
+class Cli:
+    env: dict[str, str]
+    sim: Sim
+
+    async def __call__(self, *argv: str, **env: str) -> Result:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "spotrain.workers.cli",
+            *argv,
+            env=self.env | env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+        assert proc.returncode is not None
+        return Result(proc.returncode, out.decode(), err.decode())
+
+    async def until(self, name: str, check: Callable[[JobStatus], bool]) -> JobStatus:
+        """Wait in-process (a query is cheaper than a CLI run) until the job's status holds."""
+        handle = self.sim.client.get_workflow_handle(name)
+        deadline = time.monotonic() + 20
+        while not check(status := await self.sim.status(handle)):
+            assert time.monotonic() < deadline, f"timed out: {status.model_dump_json()[:2000]}"
+            await asyncio.sleep(0.1)
+        return status
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def cli(dev_env: WorkflowEnvironment, moto_endpoint: str) -> AsyncIterator[Cli]:
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        service = WebhookService(
+            dev_env.client,
+            WebhookConfig(auth=AuthConfig(bearer_token=TOKEN), host="127.0.0.1", port=0),
+        )
+        port = await service.start()
+        env = os.environ | {
+            "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
+            "SPOTRAIN_TASK_QUEUE": sim.task_queue,
+            "SPOTRAIN_WEBHOOK_URL": f"http://127.0.0.1:{port}",
+            "SPOTRAIN_WEBHOOK_TOKEN": TOKEN,
+            "SPOTRAIN_EC2_ENDPOINT": moto_endpoint,
+            "COLUMNS": "200",
+        }
+        yield Cli(env, sim)
+        await service.stop()
+
+
+def write(tmp_path: Path, spec: dict[str, Any], suffix: str = ".yaml") -> Path:
+    path = tmp_path / f"{spec.get('name', 'job')}{suffix}"
+    path.write_text(json.dumps(spec) if suffix == ".json" else yaml.safe_dump(spec))
+    return path
+
+
+async def exists(dev_env: WorkflowEnvironment, name: str) -> bool:
+    try:
+        await dev_env.client.get_workflow_handle(name).describe()
+    except RPCError as e:
+        assert e.status == RPCStatusCode.NOT_FOUND
+        return False
+    return True
+
+
+async def test_invalid_specs_name_fields_and_start_nothing(
+    cli: Cli, dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    spec = fast_spec(elastic={"min_nodes": 5, "max_nodes": 4}, checkpoint="ftp://nope")
+    spec["totl_steps"] = 3
+    r = await cli("submit", str(write(tmp_path, spec)))
+    assert r.code == 2, r
+    assert "elastic: min_nodes (5) > max_nodes (4)" in r.err
+    assert "totl_steps: Extra inputs are not permitted" in r.err
+    assert "Traceback" not in r.err
+    assert not await exists(dev_env, spec["name"])
+
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"name": ')
+    r = await cli("submit", str(broken))
+    assert (r.code, "not valid JSON" in r.err) == (2, True), r
+    r = await cli("submit", str(tmp_path / "missing.yaml"))
+    assert (r.code, "cannot read" in r.err) == (2, True), r
+    r = await cli("scale", "x", "--out", "0")
+    assert (r.code, "must be >= 1" in r.err) == (2, True), r
+
+
+async def test_unreachable_temporal_exits_3_naming_the_address(cli: Cli, tmp_path: Path) -> None:
+    for argv in (["list"], ["status", "x"], ["gc"], ["submit", str(write(tmp_path, fast_spec()))]):
+        r = await cli(*argv, TEMPORAL_ADDRESS="127.0.0.1:1")
+        assert r.code == 3, (argv, r)
+        assert "cannot reach Temporal at 127.0.0.1:1" in r.err
+        assert "Traceback" not in r.err
+
+
+async def test_steer_a_running_job(cli: Cli, tmp_path: Path) -> None:
+    spec = fast_spec(total_steps=100_000)  # runs until cancelled
+    name = spec["name"]
+    path = write(tmp_path, spec, ".json")
+    r = await cli("submit", str(path))
+    assert r.code == 0, r
+    r = await cli("submit", str(path))
+    assert (r.code, "already running" in r.err) == (1, True), r
+
+    await cli.until(name, lambda s: s.world_size == 4)
+    status = (await cli("status", name, "--json")).json()
+    assert set(status) >= {"name", "phase", "generation", "world_size", "step", "total_steps"}
+    assert {"cost_so_far", "nodes", "timeline", "reclaims"} <= set(status)
+    assert (status["phase"], status["world_size"]) == ("Running", 4)
+    assert {"node_id", "lifecycle", "state", "rank", "price"} <= set(status["nodes"][0])
+    r = await cli("status", name)
+    assert r.code == 0 and "world size 4" in r.out and "spot" in r.out, r
+
+    query = f"WorkflowId = '{name}' AND SpotrainWorldSize = 4"
+    while not [w async for w in cli.sim.client.list_workflows(query)]:
+        await asyncio.sleep(0.1)  # visibility is eventually consistent
+    rows = (await cli("list", "--phase", "Running", "--json")).json()
+    row = next(x for x in rows if x["name"] == name)
+    assert (row["phase"], row["spot_nodes"], row["on_demand_nodes"]) == ("Running", 4, 0)
+    assert set(row) == {
+        "name",
+        "phase",
+        "status",
+        "world_size",
+        "spot_nodes",
+        "on_demand_nodes",
+        "cost",
+        "task_queue",
+        "started",
+    }
+    rows = (await cli("list", "--phase", "Paused", "--json")).json()
+    assert name not in [x["name"] for x in rows]
+
+    r = await cli("scale", name, "--out", "1")
+    assert (r.code, "max_nodes is 4" in r.err) == (1, True), r
+    r = await cli("scale", name, "--node", "i-nope")
+    assert (r.code, "unknown or gone node(s): i-nope" in r.err) == (1, True), r
+
+    victim = next(n["node_id"] for n in status["nodes"] if n["rank"] == 3)
+    r = await cli("reclaim", name, "--node", victim, "--deadline-s", "30")
+    assert (r.code, "delivered" in r.out) == (0, True), r
+    await cli.until(name, lambda s: s.reclaims == 1 and s.phase == "Running")
+    r = await cli("reclaim", name, "--node", victim)
+    assert (r.code, "not a live node" in r.err) == (1, True), r
+    r = await cli("reclaim", name, "--node", status["nodes"][0]["node_id"],
+                  SPOTRAIN_WEBHOOK_URL="http://127.0.0.1:1")  # fmt: skip
+    assert (r.code, "webhook unreachable at http://127.0.0.1:1" in r.err) == (1, True), r
+
+    assert (await cli("pause", name)).code == 0
+    r = await cli("pause", name)
+    assert (r.code, "already paused" in r.err) == (1, True), r
+    await cli.until(name, lambda s: s.phase == "Paused")
+    assert (await cli("resume", name)).code == 0
+
+    assert (await cli("cancel", name)).code == 0
+    await cli.until(name, lambda s: s.phase == "Cancelled")
+    report = (await cli("report", name, "--json")).json()
+    assert (report["phase"], report["reclaims"]) == ("Cancelled", 1)
+    events = [e["event"] for e in report["timeline"]]
+    assert "paused" in events and "cancelled" in events
+    r = await cli("pause", name)
+    assert r.code == 1 and "Traceback" not in r.err, r
+
+
+async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) -> None:
+    spec = fast_spec(total_steps=120)
+    name = spec["name"]
+    r = await cli("submit", str(write(tmp_path, spec)), "--wait")
+    assert r.code == 0, r
+    assert "Succeeded" in r.out and "savings" in r.out
+
+    report = (await cli("report", name, "--json")).json()
+    assert (report["phase"], report["finished"], report["steps_done"]) == ("Succeeded", True, 120)
+    assert set(report["cost"]) == {"total", "spot", "on_demand", "all_on_demand", "savings"}
+    assert report["cost"]["savings"] > 0.5  # all spot at 0.97 versus 3.06 on demand
+    assert report["cost"]["spot"] == pytest.approx(report["cost"]["total"])
+
+    png, page = tmp_path / "job.png", tmp_path / "job.html"
+    r = await cli("report", name, "--plot", str(png), "--html", str(page))
+    assert r.code == 0, r
+    assert "generation started" in r.out
+    assert png.stat().st_size > 10_000
+    assert name in page.read_text() and "job.png" in page.read_text()
+
+    r = await cli("status", f"nope-{uuid.uuid4().hex[:6]}")
+    assert (r.code, "no running job named" in r.err) == (1, True), r
+
+
+async def test_submit_wait_exits_1_when_the_job_fails(cli: Cli, tmp_path: Path) -> None:
+    spec = fast_spec(elastic={"max_restarts": 0})  # the first crashed generation fails it
+    submit = asyncio.create_task(cli("submit", str(write(tmp_path, spec)), "--wait"))
+    while not submit.done():  # crash whatever generation runs until the job gives up
+        cli.sim.runtime.fail(spec["name"], "rank 2 exited with code 137")
+        await asyncio.sleep(0.2)
+    r = submit.result()
+    assert r.code == 1, r
+    assert "Failed" in r.out and "code 137" in r.out
+
+
+async def test_gc_lists_then_terminates_orphans_only(
+    cli: Cli, moto_endpoint: str, tmp_path: Path
+) -> None:
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=moto_endpoint)
+    live_job = fast_spec(total_steps=100_000)
+    assert (await cli("submit", str(write(tmp_path, live_job)))).code == 0
+
+    def launch(job: str) -> str:
+        tags = [{"Key": MANAGED, "Value": "true"}, {"Key": TAG_JOB, "Value": job}]
+        return ec2.run_instances(
+            ImageId="ami-12c6146b",
+            MinCount=1,
+            MaxCount=1,
+            TagSpecifications=[{"ResourceType": "instance", "Tags": tags}],
+        )["Instances"][0]["InstanceId"]
+
+    orphan, kept = launch(f"gone-{uuid.uuid4().hex[:6]}"), launch(live_job["name"])
+    r = await cli("gc", "--apply", TEMPORAL_ADDRESS="127.0.0.1:1")
+    assert r.code == 3, r
+    dry = (await cli("gc", "--json")).json()
+    assert dry["applied"] is False
+    ids = [o["instance_id"] for o in dry["orphans"]]
+    assert orphan in ids and kept not in ids
+    assert set(dry["orphans"][0]) == {
+        "instance_id",
+        "job",
+        "state",
+        "instance_type",
+        "zone",
+        "launched",
+    }
+    assert (await cli("gc", "--apply")).code == 0
+    states = {
+        i["InstanceId"]: i["State"]["Name"]
+        for res in ec2.describe_instances(InstanceIds=[orphan, kept])["Reservations"]
+        for i in res["Instances"]
+    }
+    assert states[orphan] in ("shutting-down", "terminated") and states[kept] == "running"
+    assert (await cli("cancel", live_job["name"])).code == 0
+
+
+async def test_logs_of_the_local_runtime(cli: Cli, tmp_path: Path) -> None:
+    runtime = LocalRuntime(tmp_path)
+    for generation in (1, 2):
+        log = runtime.log_path("job-a", 1, generation)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"rank 1 of generation {generation}\n")
+    r = await cli("logs", "job-a", "--rank", "1", "--state-dir", str(tmp_path))
+    assert (r.code, r.out) == (0, "rank 1 of generation 2\n"), r
+    r = await cli("logs", "job-a", "--rank", "1", "--generation", "1", "--state-dir", str(tmp_path))
+    assert r.out == "rank 1 of generation 1\n", r
+    r = await cli("logs", "job-a", "--rank", "7", "--state-dir", str(tmp_path))
+    assert (r.code, "no log for job-a rank 7" in r.err) == (1, True), r
+
+
+async def test_help_everywhere_has_examples(cli: Cli) -> None:
+    for command in ("submit", "scale", "report"):  # one parser builds them all
+        r = await cli(command, "--help")
+        assert r.code == 0 and "examples:" in r.out and "Exit codes" in r.out, (command, r)
+    r = await cli("frobnicate")
+    assert r.code == 2, r
