@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
+import socket
 import sys
+import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -14,12 +17,16 @@ import matplotlib.image
 import pytest
 import pytest_asyncio
 from rich.console import Console
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import WorkflowEnvironment
 
+from spotrain.workers.metrics import JobMetrics
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
-from spotrain.workflows.state import JobResult
+from spotrain.workflows.state import JobResult, JobStatus
 
 from .jobs import fast_runtime, fast_spec, simulated
+
+FINAL_STATUS: list[JobStatus] = []  # the finished job's `status`, for the metrics test
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -31,7 +38,9 @@ async def finished(dev_env: WorkflowEnvironment) -> JobResult:
         victim = next(n.node_id for n in status.nodes if n.rank == 1)
         deadline = datetime.now(UTC) + timedelta(seconds=30)
         await handle.signal("reclaim", {"node_id": victim, "deadline": deadline, "event_id": "r1"})
-        return await handle.result()
+        result = await handle.result()
+        FINAL_STATUS.append(await sim.status(handle))
+        return result
 
 
 def test_report_of_a_finished_job(finished: JobResult) -> None:
@@ -70,3 +79,31 @@ def test_plot_without_matplotlib_says_how_to_install(
     with pytest.raises(PlotUnavailable, match="pip install"):
         plot(Report.from_result(finished), tmp_path / "job.png")
     assert not (tmp_path / "job.png").exists()
+
+
+def scrape(address: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("spotrain_"):
+            key, value = line.rsplit(" ", 1)
+            key = re.sub(r',?service_name="[^"]*"', "", key).replace("{,", "{").replace("{}", "")
+            values[key] = float(value)
+    return values
+
+
+def test_job_metrics_on_the_prometheus_endpoint(finished: JobResult) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=address)))
+    metrics = JobMetrics(runtime.metric_meter)
+    status = FINAL_STATUS[0]
+    metrics.observe([status])
+    metrics.observe([status])  # a second look at the same totals adds nothing
+    values = scrape(address)
+    assert values["spotrain_reclaims"] == 1
+    assert values["spotrain_resizes"] == status.resizes >= 2  # the reclaim, then growing back
+    assert values["spotrain_resize_duration_seconds_count"] == status.resizes
+    assert values['spotrain_nodes{lifecycle="spot"}'] == 0  # a finished job holds nothing
+    assert values["spotrain_cost_rate_usd_per_hour"] == 0

@@ -187,7 +187,7 @@ def plot(report: Report, path: Path) -> None:
     top.set_title(f"{report.name}: {report.phase}, {report.reclaims} reclaim(s)")
     for lifecycle, counts in nodes_over_time(report).items():
         bottom.step(x, counts, where="post", label=lifecycle, lw=2)
-    bottom.set_ylabel("nodes")
+    bottom.set_ylabel("nodes by lifecycle")
     bottom.set_xlabel("seconds since submission")
     bottom.legend(loc="upper right")
     seen: set[str] = set()
