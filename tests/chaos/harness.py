@@ -387,7 +387,12 @@ class Figures:
 
 
 def check_job(
-    env: ChaosEnv, job: str, *, completed: bool = True, sizes: list[int] | None = None
+    env: ChaosEnv,
+    job: str,
+    *,
+    completed: bool = True,
+    sizes: list[int] | None = None,
+    total_steps: int = TOTAL_STEPS,
 ) -> Figures:
     """Duplicates, leaks, and (for a completed job) steps and checkpoints, from the record
     each side keeps itself: moto's backend, /proc, the ranks' step files, the store."""
@@ -409,15 +414,15 @@ def check_job(
             fig.problems.append(f"steps {prev.last + 1}..{nxt.start} never ran")
         fig.lost_steps += max(0, prev.last - nxt.start)
     done = sum(g.last - g.start for g in gens) - fig.lost_steps
-    if done != TOTAL_STEPS or not gens or gens[-1].last != TOTAL_STEPS:
-        fig.problems.append(f"steps add up to {done}, not {TOTAL_STEPS}")
+    if done != total_steps or not gens or gens[-1].last != total_steps:
+        fig.problems.append(f"steps add up to {done}, not {total_steps}")
     if not all(g.contiguous and g.ranks == g.world for g in gens):
         fig.problems.append(f"a generation skipped steps or ranks: {gens}")
     if sizes is not None and [g.world for g in gens] != sizes:
         fig.problems.append(f"world sizes {[g.world for g in gens]}, planned {sizes}")
     store = JobStore(f"file://{env.root}/ckpt/{job}")
     latest, finished = store.latest_checkpoint(), store.done()
-    if not latest or latest["step"] != TOTAL_STEPS or not finished:
+    if not latest or latest["step"] != total_steps or not finished:
         fig.problems.append(f"checkpoint store: latest {latest}, done {finished}")
     for g in gens[:-1]:
         if g.acked and len(store.acked_ranks(g.number)) != g.world:
