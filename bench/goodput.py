@@ -1,0 +1,590 @@
+"""Goodput and cost on real spot capacity traces: spotrain's real TrainingJob workflow versus
+a fixed-size restart baseline, all on-demand, and the oracle, on the same trace and work.
+
+    .venv/bin/python -m bench.goodput [--trace [ZONE=]PATH ...] [--work-node-hours 1000] ...
+
+spotrain's rows come from the real workflow on the time-skipping test server, with the
+simulated cloud (capacity = the trace) and runtime (the progress model) of
+`activities/simulated.py`. When a zone's capacity falls, the benchmark plays the cloud: it
+signals `reclaim` with a `--notice-s` deadline (0: `node_lost` at once, no notice) and takes
+the node when the notice runs out. Growth is the workflow's own (its capacity checks). The
+baselines are small pure-Python models over the same trace and progress model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from spotrain.activities.simulated import SimJob, SimulatedCloud, SimulatedRuntime
+from spotrain.workflows import contract
+from spotrain.workflows.contract import (
+    GenerationPlan,
+    StopRequest,
+    StopResult,
+    WatchRequest,
+    WatchResult,
+)
+from spotrain.workflows.state import JobResult, JobStatus
+from spotrain.workflows.training_job import TrainingJob
+
+from .common import REPO, Trace, load_traces, table, time_skipping_server, write_json
+
+Series = list[tuple[float, int]]  # (hours since start, world size) at each change
+INSTANCE_TYPE = "p3.2xlarge"
+COLUMNS = [
+    "policy",
+    "engine",
+    "wall_h",
+    "wall_vs_oracle",
+    "cost",
+    "cost_vs_on_demand",
+    "goodput",
+    "spot_node_h",
+    "on_demand_node_h",
+    "steps_lost",
+    "resizes",
+    "deadline_hit",
+    "run_s",
+]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One benchmark: the trace, the job (size, work, progress model) and the prices."""
+
+    traces: list[Trace]
+    max_nodes: int = 16
+    min_nodes: int = 1
+    base_nodes: int = 4
+    work_node_hours: float = 1000.0
+    steps_per_node_hour: float = 3600.0
+    scaling_efficiency: float = 1.0
+    checkpoint_minutes: float = 30.0
+    restart_cost_s: float = 120.0
+    notice_s: float = 120.0
+    spot_price: float = 0.9701
+    on_demand_price: float = 3.06
+    deadline_h: float | None = None
+
+    @property
+    def tick_s(self) -> float:
+        return min(t.gap_s for t in self.traces)
+
+    @property
+    def total_steps(self) -> int:
+        return round(self.work_node_hours * self.steps_per_node_hour)
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Steps between periodic checkpoints: `checkpoint_minutes` at the full size."""
+        return max(1, round(self.steps_per_hour(self.max_nodes) * self.checkpoint_minutes / 60))
+
+    def steps_per_hour(self, world: int) -> float:
+        """Each doubling of the world runs at `scaling_efficiency` of ideal."""
+        if world <= 0:
+            return 0.0
+        return self.steps_per_node_hour * world * self.scaling_efficiency ** math.log2(world)
+
+    def capacity(self, zone: str, offset_s: float) -> int:
+        return next(t.at(offset_s) for t in self.traces if t.zone == zone)
+
+    def available(self, offset_s: float) -> int:
+        """Spot nodes a job of at most `max_nodes` could hold, over all zones."""
+        return min(self.max_nodes, sum(t.at(offset_s) for t in self.traces))
+
+    def on_demand_hours(self) -> float:
+        return self.restart_cost_s / 3600 + self.total_steps / self.steps_per_hour(self.max_nodes)
+
+    def deadline_s(self) -> float:
+        """The deadline: `deadline_h`, else 1.5x the all-on-demand time."""
+        return 3600 * (self.deadline_h or 1.5 * self.on_demand_hours())
+
+    def segments(self) -> Iterator[tuple[float, float, int]]:
+        """(start s, end s, nodes available) between consecutive tick boundaries, endless."""
+        start = 0.0
+        while True:
+            end = min((start // t.gap_s + 1) * t.gap_s for t in self.traces)
+            yield start, end, self.available(start)
+            start = end
+
+
+@dataclass
+class Row:
+    """One policy's outcome: the table's columns plus its world size over time."""
+
+    policy: str
+    engine: str
+    wall_h: float
+    spot_node_h: float
+    on_demand_node_h: float
+    steps_lost: int = 0
+    resizes: int = 0
+    run_s: float = 0.0
+    series: Series = field(default_factory=list)
+
+    def report(self, setup: Setup, oracle_wall_h: float) -> dict[str, Any]:
+        cost = self.spot_node_h * setup.spot_price + self.on_demand_node_h * setup.on_demand_price
+        od = setup.on_demand_hours() * setup.max_nodes * setup.on_demand_price
+        return {
+            "policy": self.policy,
+            "engine": self.engine,
+            "wall_h": self.wall_h,
+            "wall_vs_oracle": self.wall_h / oracle_wall_h,
+            "cost": cost,
+            "cost_vs_on_demand": cost / od,
+            "goodput": setup.work_node_hours / (self.spot_node_h + self.on_demand_node_h),
+            "spot_node_h": self.spot_node_h,
+            "on_demand_node_h": self.on_demand_node_h,
+            "steps_lost": self.steps_lost,
+            "resizes": self.resizes,
+            "deadline_hit": self.wall_h * 3600 <= setup.deadline_s(),
+            "run_s": self.run_s,
+        }
+
+
+# --- baselines: pure-Python models over the same trace and progress model -------------------
+
+
+def oracle(setup: Setup) -> Row:
+    """Every node-hour the trace offers, no restart cost, no loss: no policy does better."""
+    steps, paid, series = 0.0, 0.0, []
+    for start, end, avail in setup.segments():
+        series.append((start / 3600, avail))
+        rate = setup.steps_per_hour(avail) / 3600
+        if rate and steps + rate * (end - start) >= setup.total_steps:
+            finish = start + (setup.total_steps - steps) / rate
+            paid += avail * (finish - start) / 3600
+            return Row("oracle", "model", finish / 3600, paid, 0.0, series=series)
+        steps += rate * (end - start)
+        paid += avail * (end - start) / 3600
+
+
+def fixed_restart(setup: Setup) -> Row:
+    """Needs all N nodes; any loss stops everything (work since the last checkpoint is
+    lost) until N are back, then it restarts from that checkpoint, as non-elastic managed
+    spot does."""
+    n, every = setup.max_nodes, setup.checkpoint_every
+    rate = setup.steps_per_hour(n) / 3600
+    started: float | None = None
+    start_step, checkpoint, lost, restarts, paid = 0, 0, 0, 0, 0.0
+    series: Series = []
+    for start, end, avail in setup.segments():
+        if started is not None and avail < n:  # a loss: back to the last checkpoint
+            step = start_step + math.floor(max(0.0, start - started - setup.restart_cost_s) * rate)
+            checkpoint = max(start_step, step - step % every)
+            lost += step - checkpoint
+            started = None
+            series.append((start / 3600, 0))
+        if started is None and avail >= n:
+            started, start_step = start, checkpoint
+            restarts += 1
+            series.append((start / 3600, n))
+        if started is None:
+            continue
+        finish = started + setup.restart_cost_s + (setup.total_steps - start_step) / rate
+        if finish <= end:
+            paid += n * (finish - start) / 3600
+            series.append((finish / 3600, 0))
+            return Row(
+                "fixed-restart",
+                "model",
+                finish / 3600,
+                paid,
+                0.0,
+                lost,
+                restarts - 1,
+                series=series,
+            )
+        paid += n * (end - start) / 3600
+
+
+def all_on_demand(setup: Setup) -> Row:
+    hours = setup.on_demand_hours()
+    series = [(0.0, setup.max_nodes), (hours, 0)]
+    return Row("on-demand", "model", hours, 0.0, setup.max_nodes * hours, series=series)
+
+
+# --- spotrain: the real workflow on the time-skipping server ---------------------------------
+
+
+class RecordingRuntime(SimulatedRuntime):
+    """The simulated runtime with `setup`'s progress model, recording world size over time."""
+
+    def __init__(self, setup: Setup) -> None:
+        super().__init__(
+            steps_per_hour=setup.steps_per_hour,
+            checkpoint_every=setup.checkpoint_every,
+            restart_cost_s=setup.restart_cost_s,
+        )
+        self.worlds: list[tuple[datetime, int]] = []
+
+    def _mark(self, world: int) -> None:
+        self.worlds.append((activity.info().current_attempt_scheduled_time, world))
+
+    @activity.defn(name=contract.START_GENERATION)
+    def start_generation(self, plan: GenerationPlan) -> None:
+        super().start_generation(plan)
+        self._mark(plan.world_size)
+
+    @activity.defn(name=contract.STOP_GENERATION)
+    def stop_generation(self, req: StopRequest) -> StopResult:
+        result = super().stop_generation(req)
+        self._mark(0)
+        return result
+
+    @activity.defn(name=contract.WATCH_GENERATION)
+    def watch_generation(self, req: WatchRequest) -> WatchResult:
+        result = super().watch_generation(req)
+        if result.outcome == "completed":
+            self._mark(0)
+        return result
+
+
+@dataclass
+class Run:
+    """One policy's job: the benchmark plays the cloud (the trace) around it."""
+
+    env: WorkflowEnvironment
+    setup: Setup
+    cloud: SimulatedCloud
+    runtime: RecordingRuntime
+    task_queue: str
+    t0: datetime
+
+    async def elapsed_s(self) -> float:
+        return (await self.env.get_current_time() - self.t0).total_seconds()
+
+    async def start(self, spec: dict[str, Any]) -> WorkflowHandle[Any, JobResult]:
+        return await self.env.client.start_workflow(
+            "TrainingJob", spec, id=spec["name"], task_queue=self.task_queue, result_type=JobResult
+        )
+
+    async def drive(
+        self,
+        handle: WorkflowHandle[Any, Any],
+        controller: Callable[[float], Any] | None = None,
+    ) -> bool:
+        """Reclaim nodes as the trace drops until the job closes (True), or until the
+        controller returns None (False): it takes over from there."""
+        horizon = 10 * max(t.span_s for t in self.setup.traces)
+        events = [(o, "drop", t.zone) for t in self.setup.traces for o in t.drops(horizon)]
+        events += [(0.0, "check", "")] if controller else []
+        heapq.heapify(events)
+        reclaiming: set[str] = set()
+        while events:
+            offset, kind, what = heapq.heappop(events)
+            wait = offset - await self.elapsed_s()
+            if wait > 0:
+                await self.env.sleep(wait)
+            if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                return True
+            if kind == "drop":
+                for node_id in self._victims(what, offset, reclaiming):
+                    reclaiming.add(node_id)
+                    if self.setup.notice_s > 0:
+                        deadline = await self.env.get_current_time() + timedelta(
+                            seconds=self.setup.notice_s
+                        )
+                        notice = {"node_id": node_id, "deadline": deadline.isoformat()}
+                        await handle.signal("reclaim", notice | {"event_id": f"r-{node_id}"})
+                        heapq.heappush(events, (offset + self.setup.notice_s, "gone", node_id))
+                    else:
+                        await self._take(handle, node_id)
+            elif kind == "gone":
+                await self._take(handle, what)
+            elif controller is not None:
+                next_check = await controller(offset)
+                if next_check is None:
+                    return False
+                heapq.heappush(events, (next_check, "check", ""))
+        await handle.terminate("the trace ran out before the job finished")
+        raise RuntimeError(f"{handle.id} did not finish within 10 spans of the trace")
+
+    def _victims(self, zone: str, offset: float, reclaiming: set[str]) -> list[str]:
+        """The spot nodes above the zone's capacity at `offset` (the newest go first)."""
+        held = sorted(
+            (
+                n.node_id
+                for n in self.cloud.running()
+                if n.lifecycle == "spot" and n.zone == zone and n.node_id not in reclaiming
+            ),
+            reverse=True,
+        )
+        return held[: max(0, len(held) - self.setup.capacity(zone, offset))]
+
+    async def _take(self, handle: WorkflowHandle[Any, Any], node_id: str) -> None:
+        """The node is gone now; the job hears it as the EC2 state change event."""
+        if self.cloud.nodes[node_id].info.state != "gone":
+            self.cloud.reclaim(node_id)
+            await handle.signal("node_lost", {"node_id": node_id, "event_id": f"l-{node_id}"})
+
+    async def finish(self, handle: WorkflowHandle[Any, JobResult]) -> tuple[JobResult, float]:
+        """The job's result and its wall time in hours of server time."""
+        result = await handle.result()
+        desc = await handle.describe()
+        assert desc.close_time is not None
+        return result, (desc.close_time - self.t0).total_seconds() / 3600
+
+    def series(self) -> Series:
+        return [((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds]
+
+
+def job_spec(setup: Setup, name: str, **on_demand: Any) -> dict[str, Any]:
+    """The benchmark's job; progress and capacity checks at the trace's tick keep the
+    workflow's tasks per simulated hour few."""
+    tick = setup.tick_s
+    return {
+        "name": name,
+        "command": ["simulated"],
+        "total_steps": setup.total_steps,
+        "checkpoint": "file:///tmp/spotrain-bench",
+        "elastic": {
+            "min_nodes": setup.min_nodes,
+            "max_nodes": setup.max_nodes,
+            "graceful_shutdown_timeout_s": 60,
+            "scaling_timeout_s": 60,
+            "faulty_scale_down_timeout_s": 120,
+            "progress_report_interval_s": tick,
+            "capacity_check_interval_s": tick,
+            "stall_timeout_s": 4 * tick + setup.restart_cost_s,
+        },
+        "spot": {
+            "instance_types": [
+                {
+                    "name": INSTANCE_TYPE,
+                    "gpus": 1,
+                    "on_demand_price": setup.on_demand_price,
+                    "spot_price": setup.spot_price,
+                }
+            ],
+            "zones": [t.zone for t in setup.traces],
+        },
+        "on_demand": {"fallback": False} | on_demand,
+    }
+
+
+@asynccontextmanager
+async def new_run(env: WorkflowEnvironment, setup: Setup) -> AsyncIterator[Run]:
+    """A worker with a fresh trace-driven cloud and runtime on its own task queue."""
+    t0 = await env.get_current_time()
+    cloud = SimulatedCloud(
+        zones=[t.zone for t in setup.traces],
+        capacity=lambda _type, zone, when: setup.capacity(zone, (when - t0).total_seconds()),
+        spot_price=setup.spot_price,
+    )
+    run = Run(env, setup, cloud, RecordingRuntime(setup), uuid.uuid4().hex, t0)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        async with Worker(
+            env.client,
+            task_queue=run.task_queue,
+            workflows=[TrainingJob],
+            activities=cloud.activities() + run.runtime.activities(),
+            activity_executor=pool,
+        ):
+            yield run
+
+
+async def spotrain(env: WorkflowEnvironment, setup: Setup, policy: str, **on_demand: Any) -> Row:
+    began = time.monotonic()
+    async with new_run(env, setup) as run:
+        handle = await run.start(job_spec(setup, f"bench-{uuid.uuid4().hex[:8]}", **on_demand))
+        await run.drive(handle)
+        result, wall_h = await run.finish(handle)
+        series = run.series()
+    return Row(
+        policy,
+        "workflow",
+        wall_h,
+        result.node_hours["spot"],
+        result.node_hours["on-demand"],
+        result.steps_lost,
+        result.resizes,
+        time.monotonic() - began,
+        series,
+    )
+
+
+async def spotrain_deadline(env: WorkflowEnvironment, setup: Setup) -> Row:
+    """Greedy "Can't Be Late": elastic on spot while on-demand could still finish by the
+    deadline from here; then pause (checkpoint), and finish with an all-on-demand job that
+    resumes from the same checkpoint. The workflow has no deadline policy of its own, so
+    this controller drives it through its public `pause` update and a second job."""
+    began = time.monotonic()
+    margin = setup.tick_s + 60 + setup.restart_cost_s  # one check late, grace, start-up
+    od_rate = setup.steps_per_hour(setup.max_nodes) / 3600
+    async with new_run(env, setup) as run:
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        spot = await run.start(job_spec(setup, name))
+
+        async def check(offset: float) -> float | None:
+            status = await spot.query("status", result_type=JobStatus)
+            switch_at = setup.deadline_s() - margin - (setup.total_steps - status.step) / od_rate
+            return None if offset >= switch_at else max(switch_at, offset + setup.tick_s)
+
+        if await run.drive(spot, check):
+            result, wall_h = await run.finish(spot)
+            spot_h, od_h = result.node_hours["spot"], result.node_hours["on-demand"]
+            lost, resizes = result.steps_lost, result.resizes
+        else:
+            await spot.execute_update("pause", {})
+            while (await spot.query("status", result_type=JobStatus)).phase != "Paused":
+                await asyncio.sleep(0.05)
+            await spot.cancel()
+            while (await spot.describe()).status == WorkflowExecutionStatus.RUNNING:
+                await asyncio.sleep(0.05)
+            first = await spot.query("status", result_type=JobStatus)
+            resumed = SimJob(checkpoint_step=run.runtime.jobs[name].checkpoint_step)
+            run.runtime.jobs[f"{name}-od"] = resumed  # the same checkpoint location
+            spec = job_spec(setup, f"{name}-od", fallback=True)
+            spec["spot"]["enabled"] = False
+            result, wall_h = await run.finish(await run.start(spec))
+            spot_h = first.cost_so_far / setup.spot_price
+            od_h = result.node_hours["on-demand"]
+            lost, resizes = first.steps_lost, first.resizes + 1
+        series = run.series()
+    return Row(
+        "spotrain deadline",
+        "workflow",
+        wall_h,
+        spot_h,
+        od_h,
+        lost,
+        resizes,
+        time.monotonic() - began,
+        series,
+    )
+
+
+# --- the benchmark ---------------------------------------------------------------------------
+
+SPOTRAIN_POLICIES: dict[str, dict[str, Any]] = {
+    "spotrain elastic": {},
+    "spotrain +fallback": {"fallback": True},
+    "spotrain +od-base": {"base_nodes": -1},  # -1: setup.base_nodes
+}
+
+
+async def benchmark(setup: Setup, deadline: bool = True) -> list[Row]:
+    """Every policy on the same trace and work: the baselines, then spotrain's runs."""
+    rows = [oracle(setup), all_on_demand(setup), fixed_restart(setup)]
+    async with time_skipping_server() as env:
+        for policy, on_demand in SPOTRAIN_POLICIES.items():
+            if on_demand.get("base_nodes") == -1:
+                on_demand = on_demand | {"base_nodes": setup.base_nodes}
+            rows.append(await spotrain(env, setup, policy, **on_demand))
+        if deadline:
+            rows.append(await spotrain_deadline(env, setup))
+    return rows
+
+
+def plot(setup: Setup, rows: list[Row], path: Path) -> None:
+    """World size over time per policy, over the capacity the trace offers (grey)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    end_h = max(r.wall_h for r in rows)
+    fig, axes = plt.subplots(len(rows), 1, sharex=True, figsize=(11, 1.4 * len(rows) + 1))
+    offered = list(itertools.takewhile(lambda s: s[0] <= end_h * 3600, setup.segments()))
+    for ax, row in zip(axes, rows, strict=True):
+        ax.fill_between(
+            [s[0] / 3600 for s in offered],
+            [s[2] for s in offered],
+            step="post",
+            color="0.85",
+            label="spot offered",
+        )
+        times = [t for t, _ in row.series] + [row.wall_h]
+        worlds = [w for _, w in row.series] + [0]
+        ax.step(times, worlds, where="post", color="C0", label="world size")
+        ax.set_ylim(0, setup.max_nodes * 1.1)
+        ax.set_ylabel(row.policy, rotation=0, ha="right", va="center", fontsize=8)
+        ax.axvline(setup.deadline_s() / 3600, color="C3", lw=0.8, ls="--")
+    axes[-1].set_xlabel("hours (dashed: deadline)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="bench.goodput", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="[ZONE=]PATH",
+        help="a trace file; repeat for several zones (default: shared us-east-2b)",
+    )
+    defaults = Setup(traces=[])
+    for name in (
+        "max_nodes",
+        "min_nodes",
+        "base_nodes",
+        "work_node_hours",
+        "steps_per_node_hour",
+        "scaling_efficiency",
+        "checkpoint_minutes",
+        "restart_cost_s",
+        "notice_s",
+        "spot_price",
+        "on_demand_price",
+        "deadline_h",
+    ):
+        default = getattr(defaults, name)
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=float if name not in ("max_nodes", "min_nodes", "base_nodes") else int,
+            default=default,
+        )
+    p.add_argument("--no-deadline", action="store_true", help="skip the deadline policy")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    fields = {k: v for k, v in vars(args).items() if hasattr(defaults, k)}
+    return replace(defaults, **fields, traces=load_traces(args.trace)), args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    setup, args = parse_args(argv)
+    logging.getLogger("temporalio").setLevel(logging.ERROR)  # capacity errors are expected
+    began = time.monotonic()
+    rows = asyncio.run(benchmark(setup, deadline=not args.no_deadline))
+    oracle_h = rows[0].wall_h
+    report = {
+        "setup": {k: v for k, v in vars(setup).items() if k != "traces"}
+        | {
+            "traces": [f"{t.zone}: {len(t.data)} x {t.gap_s:.0f} s" for t in setup.traces],
+            "deadline_h": setup.deadline_s() / 3600,
+            "total_steps": setup.total_steps,
+        },
+        "rows": [r.report(setup, oracle_h) for r in rows],
+        "bench_s": time.monotonic() - began,
+    }
+    print(table(report["rows"], COLUMNS))
+    write_json(args.out / "goodput.json", report)
+    plot(setup, rows, args.out / "goodput_world_size.png")
+    return report
+
+
+if __name__ == "__main__":
+    main()
