@@ -290,7 +290,8 @@ class EC2Provider:
         except Exception as err:  # optional data: any failure means "no scores"
             if not self._scores_unavailable_logged:
                 self._scores_unavailable_logged = True
-                log.warning("spot placement scores unavailable, ranking by price only: %s", err)
+                reason = str(err).splitlines()[0][:120]  # not an endpoint's whole error page
+                log.warning("spot placement scores unavailable, ranking by price only: %s", reason)
             return {}
         return {
             zone_names[s["AvailabilityZoneId"]]: float(s["Score"])

@@ -114,6 +114,8 @@ def main() -> int:
     step = load(model, optim)
     ddp = DistributedDataParallel(model)
     x_all, y_all = dataset()
+    if args.record:
+        args.record.mkdir(parents=True, exist_ok=True)
     record = (
         (args.record / f"gen-{s.generation}-rank-{s.rank}.jsonl").open("a") if args.record else None
     )

@@ -29,7 +29,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 console = Console()
 
 
-def demo_spec(state_dir: Path, steps: int, step_time: float) -> dict[str, Any]:
+def demo_spec(
+    state_dir: Path, steps: int, step_time: float, record: Path | None = None
+) -> dict[str, Any]:
     """examples/job.yaml, run with this interpreter, checkpoints in the demo's state dir."""
     spec = yaml.safe_load((EXAMPLES / "job.yaml").read_text())
     spec["name"] = f"demo-{int(time.time())}"
@@ -39,6 +41,8 @@ def demo_spec(state_dir: Path, steps: int, step_time: float) -> dict[str, Any]:
         "--step-time",
         str(step_time),
     ]
+    if record is not None:  # the script's own account of steps, samples and losses (tests)
+        spec["command"] += ["--record", str(record)]
     spec["total_steps"] = steps
     spec["checkpoint"] = f"file://{state_dir / 'checkpoints'}"
     spec["elastic"].update(progress_report_interval_s=1, capacity_check_interval_s=10)
@@ -112,7 +116,7 @@ async def run(args: argparse.Namespace) -> int:
     console.print(f"starting the embedded stack (state in {state})...")
     async with Stack(StackConfig.ephemeral(state)) as stack:
         console.print(f"Temporal Web UI: http://127.0.0.1:{stack.config.ui_port}")
-        spec = demo_spec(state, args.steps, args.step_time)
+        spec = demo_spec(state, args.steps, args.step_time, args.record)
         handle = await stack.client.start_workflow(
             "TrainingJob",
             spec,
@@ -154,6 +158,7 @@ def parser() -> argparse.ArgumentParser:
         "--step-time", type=float, default=0.03, help="seconds per step (a bigger model)"
     )
     p.add_argument("--state-dir", type=Path, help="default: a new temporary directory")
+    p.add_argument("--record", type=Path, help="the training script records steps and losses here")
     return p
 
 
@@ -161,3 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     code = asyncio.run(run(parser().parse_args(argv)))
     sys.stdout.flush()
     raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()
