@@ -11,6 +11,8 @@ import asyncio
 import os
 import re
 
+from tests.jobs import record_history
+
 from .harness import (
     CYCLE_SIZES,
     FULL,
@@ -51,6 +53,7 @@ FULL_POINTS = [
     "after:cleanup_job",
 ]
 CONCURRENT = 8
+RECORDED = {"after:launch_node", "elastic-event-raised"}  # histories for the replay test
 
 
 async def crash_cycle(env: ChaosEnv, point: str, limit: asyncio.Semaphore) -> Figures:
@@ -63,6 +66,8 @@ async def crash_cycle(env: ChaosEnv, point: str, limit: asyncio.Semaphore) -> Fi
         env.arm_file(job).touch()
         await reclaim(handle, member(before, 1), f"{job}-notice")
         result, deaths = await supervise(env, handle, worker)
+    if point in RECORDED:
+        await record_history(handle, f"chaos_{job.replace('-', '_')}")
     fig = check_job(env, job, sizes=CYCLE_SIZES)
     fig.scenario = f"crash at {point}"
     fired = env.fired_file(job)

@@ -18,6 +18,7 @@ from spotrain.activities.local import LocalRuntime
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobResult
 from tests import ec2_support
+from tests.jobs import record_history
 
 from .harness import (
     CYCLE_SIZES,
@@ -88,6 +89,7 @@ async def test_server_killed_and_restarted_mid_resize(chaos_env: ChaosEnv) -> No
     await asyncio.sleep(1)
     env.server.start()
     result, _ = await supervise(env, handle, worker)
+    await record_history(handle, "chaos_server_restart")
     fig = finish(check_job(env, job, sizes=CYCLE_SIZES), result, "server SIGKILL mid-resize")
     assert not fig.problems
 
@@ -145,6 +147,7 @@ async def test_event_storms_change_membership_once_per_real_loss(chaos_env: Chao
     await until(handle, lambda s: s.phase == "Resizing", timeout=30)
     await reclaim(handle, d, "storm-d-during-resize")
     result, _ = await supervise(env, handle, worker)
+    await record_history(handle, "chaos_event_storms")
 
     losses = {a, b, c, d}
     fig = check_job(env, job, total_steps=2000)
@@ -183,6 +186,7 @@ async def stop_at_random(env: ChaosEnv, job: str, delay: float, terminate: bool)
     else:
         await handle.cancel()
         await supervise(env, handle, worker)
+        await record_history(handle, f"chaos_{job}")
     await asyncio.sleep(1)  # anything started late would show up now
     fig = check_job(env, job, completed=False)
     fig.scenario = f"{'terminate' if terminate else 'cancel'} after {delay:.1f}s (step {step})"
