@@ -613,26 +613,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def delegate(command: str, rest: list[str]) -> None:
-    """Hand the remaining arguments to the command's own module (imported only now)."""
-    module = importlib.import_module(DELEGATED[command][0])
-    if command == "webhook":
-        if rest:
-            raise CliError("spotrain webhook takes no arguments: it is configured by env", USAGE)
-        module.main()
-    else:
-        module.main(rest)
+def delegate(command: str, rest: list[str]) -> int:
+    """Hand the remaining arguments (`--help` too) to the command's own module, imported only
+    now; its exit status is the command's."""
+    try:
+        importlib.import_module(DELEGATED[command][0]).main(rest)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (OK if e.code is None else USAGE)
+    return OK
 
 
 def run(argv: list[str]) -> int:
+    if argv and argv[0] in DELEGATED:
+        return delegate(argv[0], argv[1:])
     try:
         args = parser().parse_args(argv)
     except SystemExit as e:  # argparse: --help (0), bad usage (2)
         return e.code if isinstance(e.code, int) else USAGE
     try:
-        if args.command in DELEGATED:
-            delegate(args.command, args.rest)
-            return OK
         return asyncio.run(args.func(args))
     except CliError as e:
         err.print(f"error: {e}", markup=False, soft_wrap=True)

@@ -14,6 +14,7 @@ Endpoints (see webhook_openapi.yaml): POST /v1/reclaims, /v1/events/aws,
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -462,8 +463,16 @@ async def serve(client: Client, config: WebhookConfig) -> None:
         await service.stop()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """`python -m spotrain.workers.webhook`; the `spotrain webhook` command calls the same."""
+    argparse.ArgumentParser(
+        prog="spotrain webhook",
+        description="Serve the reclaim webhook: cloud interruption events to workflow signals.",
+        epilog="Configured by environment: SPOTRAIN_WEBHOOK_PORT (8080), SPOTRAIN_WEBHOOK_HOST, "
+        "SPOTRAIN_WEBHOOK_TOKEN[_FILE], SPOTRAIN_WEBHOOK_HMAC_SECRET[_FILE], "
+        "SPOTRAIN_WEBHOOK_SNS_TOPIC_ARNS, SPOTRAIN_WEBHOOK_QUEUE_URL (SQS mode); Temporal: "
+        "TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY. See docs/webhook.md.",
+    ).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     async def run() -> None:

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client
+from temporalio.runtime import Runtime
 from temporalio.worker import Worker
 
+from spotrain.workers import metrics
 from spotrain.workers.connect import TASK_QUEUE, connect
 from spotrain.workflows.training_job import TrainingJob
 
@@ -101,28 +103,50 @@ def parser() -> argparse.ArgumentParser:
         "--runtime", choices=RUNTIMES, default=os.environ.get("SPOTRAIN_RUNTIME", "local")
     )
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="local runtime state")
+    p.add_argument(
+        "--metrics",
+        default=os.environ.get("SPOTRAIN_METRICS_ADDRESS"),
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics (the SDK's and spotrain's) here",
+    )
+    p.add_argument(
+        "--json-logs",
+        action="store_true",
+        default=os.environ.get("SPOTRAIN_JSON_LOGS", "") not in ("", "0", "false"),
+        help="one JSON object per log line",
+    )
     return p
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, runtime: Runtime) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     activities = build_activities(args.provider, args.runtime, args.state_dir)
     client = await connect()
+    collector = (
+        asyncio.create_task(metrics.collect(client, metrics.JobMetrics(runtime.metric_meter)))
+        if args.metrics
+        else None
+    )
     logging.info(
         "spotrain worker on task queue %r (provider %s, runtime %s)",
         args.task_queue,
         args.provider,
         args.runtime,
     )
-    await run_worker(client, activities, args.task_queue, stop)
+    try:
+        await run_worker(client, activities, args.task_queue, stop)
+    finally:
+        if collector:
+            collector.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    asyncio.run(serve(parser().parse_args(argv)))
+    args = parser().parse_args(argv)
+    runtime = metrics.setup(args.metrics, args.json_logs)  # before any client connects
+    asyncio.run(serve(args, runtime))
 
 
 if __name__ == "__main__":

@@ -184,6 +184,9 @@ class JobStatus(BaseModel):
     resizes: int
     steps_lost: int
     cost_so_far: float
+    node_hours: dict[str, float]
+    cost: dict[str, float]
+    all_on_demand_cost: float
     nodes: list[NodeView]
     timeline: list[TimelineEntry]
     failure: str | None = None

@@ -207,7 +207,7 @@ class TrainingJob:
     def status(self) -> JobStatus:
         s = self._active_state()
         rank = {slot: i for i, slot in enumerate(s.members)} if s.running else {}
-        _, cost, _ = s.costs(self._now())
+        hours, cost, all_on_demand = s.costs(self._now())
         return JobStatus(
             name=s.spec.name,
             phase=s.phase,
@@ -222,6 +222,9 @@ class TrainingJob:
             resizes=s.resizes,
             steps_lost=s.steps_lost,
             cost_so_far=round(sum(cost.values()), 4),
+            node_hours={k: round(v, 6) for k, v in hours.items()},
+            cost={k: round(v, 6) for k, v in cost.items()},
+            all_on_demand_cost=round(all_on_demand, 6),
             nodes=[
                 NodeView(
                     node_id=n.node_id,
@@ -391,6 +394,8 @@ class TrainingJob:
     def _cancel_watch(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
+            # Abandoned, so its outcome (a cancellation) is of no interest: retrieve it.
+            self._watch.add_done_callback(lambda h: h.cancelled() or h.exception())
             self._watch = None
 
     async def _stop(
@@ -814,10 +819,12 @@ class TrainingJob:
         await workflow.wait_condition(lambda: not self._launches)
 
     async def _release(self, nodes: list[NodeRecord], reason: str, state: str = "released") -> None:
+        s = self._active_state()
         now = self._now()
         for n in nodes:
             n.state, n.reason = state, reason  # type: ignore[assignment]
             n.ended_at = n.ended_at or now
+            s.record(now, f"node {state}", f"{n.lifecycle} {n.node_id or f'slot {n.slot}'}: {reason}")
         await self._release_ids([n.node_id for n in nodes if n.node_id], reason)
         self._on_nodes_changed()
 
@@ -849,10 +856,11 @@ class TrainingJob:
         except ActivityError:
             return []  # a flapping cloud API means no new orders this round, nothing more
 
-    async def _describe(self, nodes: list[NodeRecord]) -> list[NodeInfo]:
+    async def _describe(self, nodes: list[NodeRecord] | None) -> list[NodeInfo]:
+        """The provider's view of `nodes`, or of every node tagged with the job (None)."""
         s = self._active_state()
-        ids = [n.node_id for n in nodes if n.node_id]
-        if not ids:
+        ids = [] if nodes is None else [n.node_id for n in nodes if n.node_id]
+        if nodes is not None and not ids:
             return []
         try:
             return await workflow.execute_activity(
@@ -861,7 +869,7 @@ class TrainingJob:
                 result_type=list[NodeInfo],
                 start_to_close_timeout=timedelta(minutes=2),
                 retry_policy=QUICK,
-                summary=f"check {len(ids)} node(s)",
+                summary=f"check {len(ids)} node(s)" if ids else "find every node of the job",
             )
         except ActivityError:
             return []  # only a node that is really gone changes membership, not an API error
@@ -945,6 +953,9 @@ class TrainingJob:
             await self._stop(graceful=False, grace=0, lost=[], reason=f"job {phase.lower()}")
         await self._settle_launches()
         await self._release([n for n in s.nodes if n.alive], "job ended")
+        # A launch whose result was lost (cancelled mid-call) left a node only its tags know.
+        strays = [i.node_id for i in await self._describe(None) if i.state != "gone"]
+        await self._release_ids(strays, "job ended (found by tag)")
         await workflow.execute_activity(
             CLEANUP_JOB,
             CleanupRequest(job=s.spec.name, keep=keep),
