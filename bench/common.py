@@ -59,7 +59,7 @@ class Trace:
     def drops(self, until_s: float) -> list[float]:
         """Offsets (s) of the ticks where capacity falls, up to `until_s`."""
         out = []
-        for k in range(1, math.ceil(until_s / self.gap_s) + 1):
+        for k in range(1, int(until_s // self.gap_s) + 1):
             if self.data[k % len(self.data)] < self.data[(k - 1) % len(self.data)]:
                 out.append(k * self.gap_s)
         return out
@@ -97,13 +97,15 @@ async def time_skipping_server() -> AsyncIterator[WorkflowEnvironment]:
 
 
 @asynccontextmanager
-async def dev_server() -> AsyncIterator[WorkflowEnvironment]:
-    """A real `temporal server start-dev` (in memory), as in production but on loopback."""
+async def dev_server(*dynamic_config: str) -> AsyncIterator[WorkflowEnvironment]:
+    """A real `temporal server start-dev` (in memory), as in production but on loopback;
+    `dynamic_config`: "key=value" settings (e.g. limit.historyCount.suggestContinueAsNew)."""
+    extra = [a for kv in dynamic_config for a in ("--dynamic-config-value", kv)]
     env = await WorkflowEnvironment.start_local(
         data_converter=pydantic_data_converter,
         dev_server_existing_path=temporal_cli(),
         search_attributes=attributes.ALL,
-        dev_server_extra_args=["--log-level", "error"],
+        dev_server_extra_args=["--log-level", "error", *extra],
     )
     try:
         yield env

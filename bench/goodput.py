@@ -31,6 +31,7 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -64,6 +65,7 @@ COLUMNS = [
     "resizes",
     "deadline_hit",
     "run_s",
+    "stalls",
 ]
 
 
@@ -139,6 +141,7 @@ class Row:
     steps_lost: int = 0
     resizes: int = 0
     run_s: float = 0.0
+    stalls: int = 0
     series: Series = field(default_factory=list)
 
     def report(self, setup: Setup, oracle_wall_h: float) -> dict[str, Any]:
@@ -158,6 +161,7 @@ class Row:
             "resizes": self.resizes,
             "deadline_hit": self.wall_h * 3600 <= setup.deadline_s(),
             "run_s": self.run_s,
+            "stalls": self.stalls,
         }
 
 
@@ -269,9 +273,22 @@ class Run:
     runtime: RecordingRuntime
     task_queue: str
     t0: datetime
+    stalls: int = 0
 
     async def elapsed_s(self) -> float:
         return (await self.env.get_current_time() - self.t0).total_seconds()
+
+    async def sleep_until(self, offset: float) -> None:
+        """Skip server time to `offset`. The test server sometimes stalls a workflow task
+        ("invalid history builder state for action"); the sleep then times out, the task is
+        retried, and the sleep is retried too (counted in `stalls`)."""
+        while (wait := offset - await self.elapsed_s()) > 0:
+            try:
+                await self.env.sleep(wait)
+            except RPCError as err:
+                if err.status != RPCStatusCode.CANCELLED:  # how the SDK reports its timeout
+                    raise
+                self.stalls += 1
 
     async def start(self, spec: dict[str, Any]) -> WorkflowHandle[Any, JobResult]:
         return await self.env.client.start_workflow(
@@ -292,9 +309,7 @@ class Run:
         reclaiming: set[str] = set()
         while events:
             offset, kind, what = heapq.heappop(events)
-            wait = offset - await self.elapsed_s()
-            if wait > 0:
-                await self.env.sleep(wait)
+            await self.sleep_until(offset)
             if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
                 return True
             if kind == "drop":
@@ -344,8 +359,20 @@ class Run:
         assert desc.close_time is not None
         return result, (desc.close_time - self.t0).total_seconds() / 3600
 
-    def series(self) -> Series:
-        return [((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds]
+    def row(self, policy: str, wall_h: float, result: JobResult, began: float) -> Row:
+        """The policy's outcome; `began`: time.monotonic() when the run began."""
+        return Row(
+            policy,
+            "workflow",
+            wall_h,
+            result.node_hours["spot"],
+            result.node_hours["on-demand"],
+            steps_lost=result.steps_lost,
+            resizes=result.resizes,
+            run_s=time.monotonic() - began,
+            stalls=self.stalls,
+            series=[((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds],
+        )
 
 
 def job_spec(setup: Setup, name: str, **on_demand: Any) -> dict[str, Any]:
@@ -409,18 +436,7 @@ async def spotrain(env: WorkflowEnvironment, setup: Setup, policy: str, **on_dem
         handle = await run.start(job_spec(setup, f"bench-{uuid.uuid4().hex[:8]}", **on_demand))
         await run.drive(handle)
         result, wall_h = await run.finish(handle)
-        series = run.series()
-    return Row(
-        policy,
-        "workflow",
-        wall_h,
-        result.node_hours["spot"],
-        result.node_hours["on-demand"],
-        result.steps_lost,
-        result.resizes,
-        time.monotonic() - began,
-        series,
-    )
+    return run.row(policy, wall_h, result, began)
 
 
 async def spotrain_deadline(env: WorkflowEnvironment, setup: Setup) -> Row:
@@ -441,9 +457,7 @@ async def spotrain_deadline(env: WorkflowEnvironment, setup: Setup) -> Row:
             return None if offset >= switch_at else max(switch_at, offset + setup.tick_s)
 
         if await run.drive(spot, check):
-            result, wall_h = await run.finish(spot)
-            spot_h, od_h = result.node_hours["spot"], result.node_hours["on-demand"]
-            lost, resizes = result.steps_lost, result.resizes
+            totals, wall_h = await run.finish(spot)
         else:
             await spot.execute_update("pause", {})
             while (await spot.query("status", result_type=JobStatus)).phase != "Paused":
@@ -456,22 +470,11 @@ async def spotrain_deadline(env: WorkflowEnvironment, setup: Setup) -> Row:
             run.runtime.jobs[f"{name}-od"] = resumed  # the same checkpoint location
             spec = job_spec(setup, f"{name}-od", fallback=True)
             spec["spot"]["enabled"] = False
-            result, wall_h = await run.finish(await run.start(spec))
-            spot_h = first.cost_so_far / setup.spot_price
-            od_h = result.node_hours["on-demand"]
-            lost, resizes = first.steps_lost, first.resizes + 1
-        series = run.series()
-    return Row(
-        "spotrain deadline",
-        "workflow",
-        wall_h,
-        spot_h,
-        od_h,
-        lost,
-        resizes,
-        time.monotonic() - began,
-        series,
-    )
+            totals, wall_h = await run.finish(await run.start(spec))
+            totals.node_hours["spot"] = first.cost_so_far / setup.spot_price  # all spot
+            totals.steps_lost += first.steps_lost
+            totals.resizes += first.resizes + 1
+    return run.row("spotrain deadline", wall_h, totals, began)
 
 
 # --- the benchmark ---------------------------------------------------------------------------

@@ -1,0 +1,237 @@
+"""Scale: N concurrent TrainingJobs in one worker process, each reclaimed at a steady rate.
+
+    .venv/bin/python -m bench.scale --jobs 100 --jobs 1000 [--duration-s 120] ...
+
+Real Temporal dev server and the real workflow; the simulated cloud and runtime (no
+processes), so what is measured is orchestration: reaction from the `reclaim` signal being
+sent to the worker-notify activity (`stop_generation`, which raises the elastic event)
+starting, the worker process's CPU and peak RSS, history events per reclaim cycle (shrink,
+replacement, grow back, and the progress watches in between), and whether continue-as-new
+keeps every run under Temporal's history limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import resource
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
+from spotrain.workflows import contract
+from spotrain.workflows.contract import StopRequest, StopResult
+from spotrain.workflows.training_job import HISTORY_EVENTS_BEFORE_CONTINUE, TrainingJob
+
+from .common import REPO, dev_server, summary, table, write_json
+
+HISTORY_LIMIT = 51_200  # Temporal's hard limit on events per run
+NODES = 4
+COLUMNS = [
+    "jobs",
+    "reclaims",
+    "reaction_p50_ms",
+    "reaction_p99_ms",
+    "cpu_s_per_reclaim",
+    "cpu_share",
+    "peak_rss_mb",
+    "events_per_cycle",
+    "max_run_events",
+    "continued_as_new",
+    "under_limits",
+]
+
+
+class NotifiedRuntime(SimulatedRuntime):
+    """The simulated runtime (10 steps/s per node), noting when each job is told to stop."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            steps_per_hour=lambda world: 36_000.0 * world, checkpoint_every=20, restart_cost_s=0.5
+        )
+        self.signalled: dict[str, float] = {}  # job -> time.time() the reclaim was sent
+        self.reactions: list[float] = []
+
+    @activity.defn(name=contract.STOP_GENERATION)
+    def stop_generation(self, req: StopRequest) -> StopResult:
+        sent = self.signalled.pop(req.job, None)
+        if sent is not None:
+            self.reactions.append(time.time() - sent)
+        return super().stop_generation(req)
+
+    def full_generation(self, job: str) -> list[str] | None:
+        """The running generation's node ids if it holds every node (nothing in flight)."""
+        with self._lock:
+            running = [g for g in self._job(job).generations.values() if not g.stopped]
+        if len(running) == 1 and running[0].plan.world_size == NODES:
+            return [m.node_id for m in running[0].plan.members]
+        return None
+
+
+def job_spec(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "command": ["simulated"],
+        "total_steps": 10**9,
+        "checkpoint": "file:///tmp/spotrain-bench",
+        "elastic": {
+            "min_nodes": 2,
+            "max_nodes": NODES,
+            "graceful_shutdown_timeout_s": 5,
+            "scaling_timeout_s": 1,
+            "faulty_scale_down_timeout_s": 3,
+            "capacity_check_interval_s": 30,
+            "progress_report_interval_s": 10,
+            "stall_timeout_s": 120,
+        },
+        "spot": {
+            "instance_types": [
+                {"name": "p3.2xlarge", "gpus": 1, "on_demand_price": 3.06, "spot_price": 0.97}
+            ],
+            "zones": ["us-east-1a", "us-east-1b"],
+        },
+    }
+
+
+async def history_events(client: Client, names: list[str]) -> list[int]:
+    """Events in every run of the jobs: finished (continued-as-new) runs and current ones."""
+    closed = [
+        wf.history_length
+        async for wf in client.list_workflows('WorkflowType="TrainingJob"')
+        if wf.close_time is not None
+    ]
+    described = await asyncio.gather(*(client.get_workflow_handle(n).describe() for n in names))
+    return closed + [d.raw_description.workflow_execution_info.history_length for d in described]
+
+
+async def until(check: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def one_size(
+    jobs: int, duration_s: float, reclaim_every_s: float, suggest_can: int
+) -> dict[str, Any]:
+    async with dev_server(f"limit.historyCount.suggestContinueAsNew={suggest_can}") as env:
+        client = env.client
+        runtime = NotifiedRuntime()
+        cloud = SimulatedCloud()
+        queue = uuid.uuid4().hex
+        names = [f"scale-{queue[:6]}-{i}" for i in range(jobs)]
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            async with Worker(
+                client,
+                task_queue=queue,
+                workflows=[TrainingJob],
+                activities=cloud.activities() + runtime.activities(),
+                activity_executor=pool,
+                max_cached_workflows=jobs + 100,
+            ):
+                for start in range(0, jobs, 50):
+                    await asyncio.gather(
+                        *(
+                            client.start_workflow(
+                                "TrainingJob", job_spec(n), id=n, task_queue=queue
+                            )
+                            for n in names[start : start + 50]
+                        )
+                    )
+                await until(
+                    lambda: all(runtime.full_generation(n) for n in names),
+                    60 + jobs * 0.5,
+                    "every job running at full size",
+                )
+                events_before = sum(await history_events(client, names))
+                cpu_before, began = time.process_time(), time.monotonic()
+                reclaims = await reclaim_steadily(
+                    client, runtime, names, duration_s, reclaim_every_s
+                )
+                await until(lambda: not runtime.signalled, 60, "the last reactions")
+                cpu = time.process_time() - cpu_before
+                elapsed = time.monotonic() - began
+                runs = await history_events(client, names)
+                await asyncio.gather(*(client.get_workflow_handle(n).terminate() for n in names))
+    reactions_ms = [1000 * r for r in runtime.reactions]
+    stats = summary(reactions_ms)
+    return {
+        "jobs": jobs,
+        "reclaims": reclaims,
+        "reaction_ms": stats,
+        "reaction_p50_ms": stats.get("median"),
+        "reaction_p99_ms": stats.get("p99"),
+        "cpu_s": cpu,
+        "cpu_s_per_reclaim": cpu / max(1, reclaims),
+        "cpu_share": cpu / elapsed,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "events_per_cycle": (sum(runs) - events_before) / max(1, reclaims),
+        "max_run_events": max(runs),
+        "continued_as_new": len(runs) - jobs,
+        "under_limits": max(runs) < min(HISTORY_LIMIT, HISTORY_EVENTS_BEFORE_CONTINUE + 1000),
+        "elapsed_s": elapsed,
+    }
+
+
+async def reclaim_steadily(
+    client: Client,
+    runtime: NotifiedRuntime,
+    names: list[str],
+    duration_s: float,
+    every_s: float,
+) -> int:
+    """Reclaim one node of each job every `every_s` (random phase) while it is at full
+    size, for `duration_s`; returns how many reclaims were sent."""
+    now = time.monotonic()
+    due = {n: now + random.uniform(0, every_s) for n in names}
+    end, sent, pending = now + duration_s, 0, set()
+    while time.monotonic() < end:
+        for name, at in due.items():
+            nodes = runtime.full_generation(name) if time.monotonic() >= at else None
+            if nodes is None or name in runtime.signalled:
+                continue
+            deadline = datetime.now(UTC) + timedelta(seconds=120)
+            notice = {"node_id": nodes[-1], "deadline": deadline.isoformat(), "event_id": None}
+            runtime.signalled[name] = time.time()
+            task = asyncio.create_task(client.get_workflow_handle(name).signal("reclaim", notice))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            due[name] = at + every_s
+            sent += 1
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*pending)
+    return sent
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="bench.scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, action="append", help="repeat: 100 and 1000 by default")
+    p.add_argument("--duration-s", type=float, default=120.0, help="reclaiming this long")
+    p.add_argument("--reclaim-every-s", type=float, default=30.0, help="per job")
+    p.add_argument("--suggest-can", type=int, default=500, help="server's continue-as-new hint")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    logging.getLogger("temporalio").setLevel(logging.ERROR)
+    rows = [
+        asyncio.run(one_size(n, args.duration_s, args.reclaim_every_s, args.suggest_can))
+        for n in args.jobs or [100, 1000]
+    ]
+    report = {"setup": vars(args) | {"out": str(args.out)}, "rows": rows}
+    print(table(rows, COLUMNS))
+    write_json(args.out / "scale.json", report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

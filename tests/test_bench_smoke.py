@@ -1,0 +1,95 @@
+"""Each benchmark at a tiny size, so that they keep working (they are benchmarks, not tests:
+the figures themselves are in bench/README.md). The baseline models are also checked
+against hand-computed answers, since the spotrain rows are judged against them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import goodput
+from bench.common import SHARED_TRACES, Trace, summary
+
+# Two zones of 4 nodes at 300 s ticks: all, then a drop, a gap, and back.
+TICKS_A = [4, 4, 4, 4, 2, 0, 0, 0, 4, 4, 4, 4] * 4
+TICKS_B = [4, 4, 4, 4, 4, 4, 0, 0, 0, 4, 4, 4] * 4
+
+
+def write_trace(path: Path, data: list[int], gap: int = 300) -> str:
+    path.write_text(json.dumps({"metadata": {"gap_seconds": gap}, "data": data}))
+    return str(path)
+
+
+def test_trace_format_zone_names_and_repeat(tmp_path: Path) -> None:
+    named = Trace.load(f"us-test-1a={write_trace(tmp_path / 'a.json', [3, 1, 2], gap=60)}")
+    assert (named.zone, named.gap_s, named.span_s) == ("us-test-1a", 60, 180)
+    assert [named.at(s) for s in (0, 59, 60, 179, 180)] == [3, 3, 1, 2, 3]  # repeats
+    assert named.drops(400) == [60, 240]  # 3 -> 1, and 3 -> 1 again after the repeat
+    if SHARED_TRACES.is_dir():  # the real traces, when the checkout has them beside it
+        real = Trace.load(str(next(SHARED_TRACES.glob("availability_16-node*us-east-2b*"))))
+        assert real.zone == "us-east-2b" and real.gap_s == 300 and max(real.data) == 16
+
+
+def test_summary_percentiles() -> None:
+    stats = summary([float(v) for v in range(1, 101)])
+    assert (stats["median"], stats["p99"], stats["n"]) == (50.5, 99, 100)
+
+
+def test_baseline_models_match_hand_computation(tmp_path: Path) -> None:
+    trace = Trace.load(write_trace(tmp_path / "t.json", [2, 2, 0, 2, 2, 2], gap=3600))
+    setup = goodput.Setup(
+        traces=[trace],
+        max_nodes=2,
+        work_node_hours=6,
+        steps_per_node_hour=100,
+        checkpoint_minutes=30,  # 100 steps at 2 nodes
+        restart_cost_s=0,
+    )
+    oracle = goodput.oracle(setup)
+    assert oracle.wall_h == pytest.approx(4.0)  # 2 h, an empty hour, 1 more hour
+    assert oracle.spot_node_h == pytest.approx(6.0)
+    fixed = goodput.fixed_restart(setup)
+    # 400 steps in the first 2 h all checkpointed (every 100): nothing lost at the gap.
+    assert fixed.wall_h == pytest.approx(4.0) and fixed.steps_lost == 0 and fixed.resizes == 1
+    lossy = goodput.fixed_restart(goodput.replace(setup, checkpoint_minutes=45))  # every 150
+    # 400 steps, checkpoint at 300: 100 lost, redone after the gap (0.5 h more).
+    assert lossy.steps_lost == 100 and lossy.wall_h == pytest.approx(4.5)
+    on_demand = goodput.all_on_demand(setup)
+    assert on_demand.wall_h == pytest.approx(3.0) and on_demand.on_demand_node_h == 6
+
+
+def test_goodput_benchmark_runs_the_real_workflow(tmp_path: Path) -> None:
+    a = write_trace(tmp_path / "a.json", TICKS_A)
+    b = write_trace(tmp_path / "b.json", TICKS_B)
+    report = goodput.main(
+        [
+            *("--trace", f"us-test-1a={a}", "--trace", f"us-test-1b={b}"),
+            *("--max-nodes", "8", "--min-nodes", "2", "--base-nodes", "2"),
+            *("--work-node-hours", "16", "--checkpoint-minutes", "20", "--out", str(tmp_path)),
+        ]
+    )
+    rows = {r["policy"]: r for r in report["rows"]}
+    assert set(rows) == {
+        "oracle",
+        "on-demand",
+        "fixed-restart",
+        "spotrain elastic",
+        "spotrain +fallback",
+        "spotrain +od-base",
+        "spotrain deadline",
+    }
+    assert rows["on-demand"]["cost_vs_on_demand"] == pytest.approx(1.0)
+    assert rows["fixed-restart"]["steps_lost"] > 0  # the drop at 1 h 20 min hits it
+    elastic = rows["spotrain elastic"]
+    assert elastic["engine"] == "workflow"
+    assert elastic["steps_lost"] == 0  # every loss came with a notice: checkpointed
+    assert elastic["resizes"] >= 2
+    assert elastic["on_demand_node_h"] == 0 and rows["spotrain +fallback"]["on_demand_node_h"] > 0
+    assert rows["spotrain +od-base"]["on_demand_node_h"] > 0
+    for row in rows.values():
+        assert row["wall_h"] >= rows["oracle"]["wall_h"] or row["on_demand_node_h"] > 0
+        assert 0 < row["goodput"] <= 1.0 + 1e-9
+    assert (tmp_path / "goodput.json").exists()
+    assert (tmp_path / "goodput_world_size.png").stat().st_size > 10_000
