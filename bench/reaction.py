@@ -1,0 +1,254 @@
+"""Reaction and resize overhead on the embedded stack, with real processes.
+
+    .venv/bin/python -m bench.reaction [--reclaims 200] [--nodes 2]
+
+The real TrainingJob workflow on the Temporal dev server, the reclaim webhook
+(WebhookService, in this process, on loopback), and a worker with the local runtime
+starting real training processes (a cheap loop using `spotrain.workers.elastic`); nodes come
+from the simulated cloud (always capacity). Each reclaim is a POST to /v1/reclaims.
+
+- notice-to-workers: from sending the POST to the generation's control file changing (the
+  elastic event every rank of the generation reads; locally one file per generation),
+  watched by stat polling every 1 ms.
+- resize overhead: from that elastic event to the next generation running (every rank at
+  its first step), minus what the script itself spent (checkpointing after the event, and
+  its own start-up from its first line to its first step): what spotrain adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from temporalio.client import Client, WorkflowHandle
+from temporalio.worker import Worker
+
+from spotrain.activities.local import LocalRuntime
+from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workers.webhook import WebhookConfig, WebhookService
+from spotrain.workers.webhook_auth import AuthConfig
+from spotrain.workflows.state import JobStatus
+from spotrain.workflows.training_job import TrainingJob
+
+from .common import REPO, dev_server, summary, table, write_json
+
+TOKEN = "bench-token-not-a-secret"
+NOTICE_S = 120.0  # what AWS gives; the target is well under 1% of it
+COLUMNS = ["metric", "n", "median", "p99", "min", "max", "median_pct_of_notice"]
+
+# Steps every 10 ms; on the elastic event: checkpoint marker, ack, exit 0. Records its own
+# timings (first line, first step, event seen, acked) for the overhead arithmetic.
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    first_line = time.time()
+    from spotrain.workers import elastic
+
+    s = elastic.settings()
+    out = os.path.join(os.environ["BENCH_TIMES"], f"{s.generation}-{s.rank}.json")
+    times = {"first_line": first_line}
+
+    def record(**marks):
+        times.update(marks)
+        with open(out + ".tmp", "w") as f:
+            json.dump(times, f)
+        os.replace(out + ".tmp", out)
+
+    latest = elastic.latest_checkpoint()
+    step = latest["step"] if latest else 0
+    record(first_step=time.time())
+    while True:
+        time.sleep(0.01)
+        step += 1
+        elastic.report_progress(step)
+        if elastic.elastic_event_detected():
+            seen = time.time()
+            elastic.mark_checkpoint(step, f"ckpt-{step}")
+            elastic.ack_checkpoint(step)
+            record(event_seen=seen, acked=time.time())
+            sys.exit(0)
+    """
+)
+
+
+class ControlWatch:
+    """Stat-polls the control file of generation 1, 2, ... in turn every 1 ms in a thread;
+    notes when each one first appears (every resize, for shrinks and grows alike)."""
+
+    def __init__(self, runtime: LocalRuntime, job: str) -> None:
+        self.runtime, self.job = runtime, job
+        self.generation = 1
+        self.seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            if self.runtime.control_file(self.job, self.generation).exists():
+                self.seen[self.generation] = time.time()
+                self.generation += 1
+            time.sleep(0.001)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def job_spec(name: str, nodes: int, script: Path, times: Path, checkpoint: Path) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "command",
+        "command": [sys.executable, str(script)],
+        "env": {"BENCH_TIMES": str(times)},
+        "total_steps": 10**9,
+        "checkpoint": f"file://{checkpoint}",
+        "elastic": {
+            "min_nodes": 1,
+            "max_nodes": nodes,
+            "graceful_shutdown_timeout_s": 10,
+            "scaling_timeout_s": 0.2,
+            "faulty_scale_down_timeout_s": 3,
+            "capacity_check_interval_s": 1,
+            "progress_report_interval_s": 0.5,
+            "stall_timeout_s": 60,
+        },
+        "spot": {
+            "instance_types": [
+                {"name": "p3.2xlarge", "gpus": 1, "on_demand_price": 3.06, "spot_price": 0.97}
+            ],
+            "zones": ["us-east-1a"],
+        },
+    }
+
+
+def script_times(times: Path, generation: int) -> list[dict[str, float]]:
+    return [json.loads(p.read_text()) for p in times.glob(f"{generation}-*.json")]
+
+
+async def steady(
+    handle: WorkflowHandle[Any, Any], times: Path, nodes: int, timeout_s: float = 60
+) -> JobStatus:
+    """Wait for a generation at full size whose every rank is stepping."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = await handle.query("status", result_type=JobStatus)
+        ranks = script_times(times, status.generation)
+        if status.phase == "Running" and status.world_size == nodes and len(ranks) == nodes:
+            return status
+        await asyncio.sleep(0.02)
+    raise TimeoutError("the job did not get back to full size")
+
+
+async def post_reclaim(http: aiohttp.ClientSession, url: str, node_id: str) -> bool:
+    """True once the webhook signalled the job (visibility may lag a fresh node id)."""
+    deadline = datetime.now(UTC) + timedelta(seconds=NOTICE_S)
+    body = {"instance_id": node_id, "event_id": uuid.uuid4().hex, "deadline": deadline.isoformat()}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with http.post(f"{url}/v1/reclaims", json=body, headers=headers) as resp:
+        return (await resp.json()).get("status") == "signalled"
+
+
+def overheads(watch: ControlWatch, times: Path) -> list[float]:
+    """Per resize: event -> next generation running, less the script's checkpoint and
+    start-up time."""
+    out = []
+    for g, event in sorted(watch.seen.items()):
+        stopping, starting = script_times(times, g), script_times(times, g + 1)
+        if not starting or not all("acked" in t for t in stopping):
+            continue
+        running = max(t["first_step"] for t in starting)
+        checkpoint = max(t["acked"] - t["event_seen"] for t in stopping)
+        startup = max(t["first_step"] - t["first_line"] for t in starting)
+        out.append(running - event - checkpoint - startup)
+    return out
+
+
+async def measure(client: Client, root: Path, reclaims: int, nodes: int) -> dict[str, Any]:
+    script, times = root / "train.py", root / "times"
+    script.write_text(SCRIPT)
+    times.mkdir()
+    runtime = LocalRuntime(root / "runtime", term_grace_s=2)
+    cloud = SimulatedCloud(zones=["us-east-1a"])
+    webhook = WebhookService(
+        client, WebhookConfig(auth=AuthConfig(bearer_token=TOKEN), host="127.0.0.1", port=0)
+    )
+    url = f"http://127.0.0.1:{await webhook.start()}"
+    queue, name = uuid.uuid4().hex, f"reaction-{uuid.uuid4().hex[:8]}"
+    notices: list[float] = []
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        async with (
+            Worker(
+                client,
+                task_queue=queue,
+                workflows=[TrainingJob],
+                activities=cloud.activities() + runtime.activities(),
+                activity_executor=pool,
+            ),
+            aiohttp.ClientSession() as http,
+        ):
+            spec = job_spec(name, nodes, script, times, root / "checkpoints")
+            handle = await client.start_workflow("TrainingJob", spec, id=name, task_queue=queue)
+            watch = ControlWatch(runtime, name)
+            try:
+                for _ in range(reclaims):
+                    status = await steady(handle, times, nodes)
+                    victim = next(n.node_id for n in status.nodes if n.rank == nodes - 1)
+                    sent = time.time()
+                    while not await post_reclaim(http, url, victim or ""):
+                        await asyncio.sleep(0.05)
+                        sent = time.time()
+                    while status.generation not in watch.seen:
+                        await asyncio.sleep(0.001)
+                    notices.append(watch.seen[status.generation] - sent)
+                    await steady(handle, times, nodes)  # shrunk, then grown back
+            finally:
+                watch.stop()
+                await handle.cancel()
+                await webhook.stop()
+    return {"notice_to_workers_s": notices, "resize_overhead_s": overheads(watch, times)}
+
+
+async def run(reclaims: int, nodes: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="spotrain-reaction-") as tmp:
+        async with dev_server() as env:
+            return await measure(env.client, Path(tmp), reclaims, nodes)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="bench.reaction", description=__doc__.split("\n\n")[0])
+    p.add_argument("--reclaims", type=int, default=200)
+    p.add_argument("--nodes", type=int, default=2, help="one rank per node")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    logging.getLogger("temporalio").setLevel(logging.ERROR)
+    logging.getLogger("spotrain").setLevel(logging.WARNING)
+    samples = asyncio.run(run(args.reclaims, args.nodes))
+    rows = []
+    for metric, values in samples.items():
+        stats = summary([1000 * v for v in values])  # milliseconds
+        pct = stats.get("median", 0) / (10 * NOTICE_S)  # ms / (120 s * 1000) * 100
+        metric_ms = metric.removesuffix("_s") + "_ms"
+        rows.append({"metric": metric_ms, **stats, "median_pct_of_notice": pct})
+    report = {"setup": {"reclaims": args.reclaims, "nodes": args.nodes}, "rows": rows}
+    report["samples_s"] = samples
+    print(table(rows, COLUMNS))
+    write_json(args.out / "reaction.json", report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
