@@ -68,19 +68,18 @@ def fast_runtime(**options: Any) -> SimulatedRuntime:
 
 def fast_spec(**overrides: Any) -> dict[str, Any]:
     """A job of about 15 s at 4 nodes with `fast_runtime`."""
-    spec = job_spec(total_steps=600, elastic=dict(FAST_ELASTIC))
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key].update(value)
-        else:
-            spec[key] = value
-    return spec
+    return merge(job_spec(total_steps=600, elastic=dict(FAST_ELASTIC)), overrides)
 
 
 def job_spec(**overrides: Any) -> dict[str, Any]:
     """BASE_SPEC with a fresh name; nested dicts in `overrides` merge one level deep."""
     spec = copy.deepcopy(BASE_SPEC)
     spec["name"] = f"job-{uuid.uuid4().hex[:8]}"
+    return merge(spec, overrides)
+
+
+def merge(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Nested dicts in `overrides` merge one level deep; other values replace."""
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(spec.get(key), dict):
             spec[key].update(value)

@@ -7,7 +7,7 @@ and so that `status` and the final `JobResult` are plain views of it.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -155,6 +155,25 @@ class JobState(BaseModel):
             all_on_demand += h * n.on_demand_price
         return hours, cost, all_on_demand
 
+    def accounts(self, now: datetime) -> dict[str, Any]:
+        """What `status` and the final result both report: outcome counts and cost."""
+        hours, cost, all_on_demand = self.costs(now)
+        total = sum(cost.values())
+        return {
+            "name": self.spec.name,
+            "phase": self.phase,
+            "failure": self.failure,
+            "reclaims": self.reclaims,
+            "faults": self.faults,
+            "resizes": self.resizes,
+            "steps_lost": self.steps_lost,
+            "node_hours": {k: round(v, 6) for k, v in hours.items()},
+            "cost": {k: round(v, 6) for k, v in cost.items()},
+            "total_cost": round(total, 6),
+            "all_on_demand_cost": round(all_on_demand, 6),
+            "savings": round(1 - total / all_on_demand, 6) if all_on_demand else 0.0,
+        }
+
 
 class NodeView(BaseModel):
     node_id: str | None
@@ -168,46 +187,40 @@ class NodeView(BaseModel):
     rank: int | None
 
 
-class JobStatus(BaseModel):
-    """The `status` query's answer."""
+class JobAccounts(BaseModel):
+    """Outcome counts and cost, as of now (status) or at the end (result)."""
 
     name: str
     phase: Phase
-    generation: int
-    world_size: int
-    target_nodes: int
-    step: int
-    total_steps: int
-    checkpoint_step: int
-    reclaims: int
-    faults: int
-    resizes: int
-    steps_lost: int
-    cost_so_far: float
-    node_hours: dict[str, float]
-    cost: dict[str, float]
-    all_on_demand_cost: float
-    nodes: list[NodeView]
-    timeline: list[TimelineEntry]
     failure: str | None = None
-
-
-class JobResult(BaseModel):
-    """What a finished job returns (and what `spotrain report` explains)."""
-
-    name: str
-    phase: Phase
-    failure: str | None
-    generations: int
     reclaims: int
     faults: int
     resizes: int
-    steps_done: int
     steps_lost: int
     node_hours: dict[str, float]
     cost: dict[str, float]
     total_cost: float
     all_on_demand_cost: float
     savings: float = Field(description="fraction saved versus all on-demand")
-    continued_as_new: int
     timeline: list[TimelineEntry]
+
+
+class JobStatus(JobAccounts):
+    """The `status` query's answer (the timeline's last 20 entries)."""
+
+    generation: int
+    world_size: int
+    target_nodes: int
+    step: int
+    total_steps: int
+    checkpoint_step: int
+    cost_so_far: float
+    nodes: list[NodeView]
+
+
+class JobResult(JobAccounts):
+    """What a finished job returns (and what `spotrain report` explains)."""
+
+    generations: int
+    steps_done: int
+    continued_as_new: int

@@ -207,24 +207,16 @@ class TrainingJob:
     def status(self) -> JobStatus:
         s = self._active_state()
         rank = {slot: i for i, slot in enumerate(s.members)} if s.running else {}
-        hours, cost, all_on_demand = s.costs(self._now())
+        accounts = s.accounts(self._now())
         return JobStatus(
-            name=s.spec.name,
-            phase=s.phase,
+            **accounts,
             generation=s.generation,
             world_size=s.world_size,
             target_nodes=s.target,
             step=s.step,
             total_steps=s.spec.total_steps,
             checkpoint_step=s.checkpoint_step,
-            reclaims=s.reclaims,
-            faults=s.faults,
-            resizes=s.resizes,
-            steps_lost=s.steps_lost,
-            cost_so_far=round(sum(cost.values()), 4),
-            node_hours={k: round(v, 6) for k, v in hours.items()},
-            cost={k: round(v, 6) for k, v in cost.items()},
-            all_on_demand_cost=round(all_on_demand, 6),
+            cost_so_far=round(accounts["total_cost"], 4),
             nodes=[
                 NodeView(
                     node_id=n.node_id,
@@ -241,28 +233,14 @@ class TrainingJob:
                 if n.alive or n.ended_at is None or n.ended_at > self._now() - timedelta(hours=1)
             ],
             timeline=s.timeline[-20:],
-            failure=s.failure,
         )
 
     def result(self) -> JobResult:
         s = self._active_state()
-        hours, cost, all_on_demand = s.costs(self._now())
-        total = sum(cost.values())
         return JobResult(
-            name=s.spec.name,
-            phase=s.phase,
-            failure=s.failure,
+            **s.accounts(self._now()),
             generations=s.generation,
-            reclaims=s.reclaims,
-            faults=s.faults,
-            resizes=s.resizes,
             steps_done=s.step,
-            steps_lost=s.steps_lost,
-            node_hours={k: round(v, 6) for k, v in hours.items()},
-            cost={k: round(v, 6) for k, v in cost.items()},
-            total_cost=round(total, 6),
-            all_on_demand_cost=round(all_on_demand, 6),
-            savings=round(1 - total / all_on_demand, 6) if all_on_demand else 0.0,
             continued_as_new=s.runs - 1,
             timeline=s.timeline,
         )
@@ -824,7 +802,9 @@ class TrainingJob:
         for n in nodes:
             n.state, n.reason = state, reason  # type: ignore[assignment]
             n.ended_at = n.ended_at or now
-            s.record(now, f"node {state}", f"{n.lifecycle} {n.node_id or f'slot {n.slot}'}: {reason}")
+            s.record(
+                now, f"node {state}", f"{n.lifecycle} {n.node_id or f'slot {n.slot}'}: {reason}"
+            )
         await self._release_ids([n.node_id for n in nodes if n.node_id], reason)
         self._on_nodes_changed()
 
