@@ -10,12 +10,13 @@ from __future__ import annotations
 import html
 import io
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 from rich.console import Console, Group
 from rich.table import Table
 
-from spotrain.workflows.state import JobResult, JobStatus, TimelineEntry
+from spotrain.workflows.state import JobAccounts, JobResult, JobStatus, TimelineEntry
 
 LIFECYCLES = ("spot", "on-demand")
 # Timeline events drawn as markers on the plot, with their colour.
@@ -58,47 +59,38 @@ class Report(BaseModel):
     timeline: list[TimelineEntry]
 
     @classmethod
-    def from_result(cls, r: JobResult) -> Report:
+    def _from_accounts(cls, a: JobAccounts, **progress: Any) -> Report:
         return cls(
-            name=r.name,
-            phase=r.phase,
-            finished=True,
-            failure=r.failure,
-            generations=r.generations,
-            reclaims=r.reclaims,
-            faults=r.faults,
-            resizes=r.resizes,
-            steps_done=r.steps_done,
-            total_steps=None,
-            steps_lost=r.steps_lost,
-            node_hours=r.node_hours,
+            name=a.name,
+            phase=a.phase,
+            finished=a.phase in ("Succeeded", "Failed", "Cancelled"),
+            failure=a.failure,
+            reclaims=a.reclaims,
+            faults=a.faults,
+            resizes=a.resizes,
+            steps_lost=a.steps_lost,
+            node_hours=a.node_hours,
             cost=Cost(
-                total=r.total_cost,
-                spot=r.cost.get("spot", 0.0),
-                on_demand=r.cost.get("on-demand", 0.0),
-                all_on_demand=r.all_on_demand_cost,
-                savings=r.savings,
+                total=a.total_cost,
+                spot=a.cost.get("spot", 0.0),
+                on_demand=a.cost.get("on-demand", 0.0),
+                all_on_demand=a.all_on_demand_cost,
+                savings=a.savings,
             ),
-            timeline=r.timeline,
+            timeline=a.timeline,
+            **progress,
+        )
+
+    @classmethod
+    def from_result(cls, r: JobResult) -> Report:
+        return cls._from_accounts(
+            r, generations=r.generations, steps_done=r.steps_done, total_steps=None
         )
 
     @classmethod
     def from_status(cls, s: JobStatus) -> Report:
-        return cls(
-            name=s.name,
-            phase=s.phase,
-            finished=s.phase in ("Succeeded", "Failed", "Cancelled"),
-            failure=s.failure,
-            generations=s.generation,
-            reclaims=s.reclaims,
-            faults=s.faults,
-            resizes=s.resizes,
-            steps_done=s.step,
-            total_steps=s.total_steps,
-            steps_lost=s.steps_lost,
-            node_hours=None,
-            cost=Cost(total=s.cost_so_far),
-            timeline=s.timeline,
+        return cls._from_accounts(
+            s, generations=s.generation, steps_done=s.step, total_steps=s.total_steps
         )
 
 
