@@ -11,13 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from moto.core import DEFAULT_ACCOUNT_ID
 from moto.ec2 import models
 from moto.ec2.exceptions import EC2ClientError
-from moto.ec2.models.instances import StateReason
 from werkzeug.exceptions import HTTPException
 
-RECLAIM_MESSAGE = "Server.SpotInstanceTermination: Spot instance termination"
+from spotrain.workers.spot_market import terminate_as_reclaimed
 
 
 class ServiceUnavailable(HTTPException):
@@ -64,7 +62,6 @@ def first_n(n: int) -> Callable[[dict[str, Any]], bool]:
 
 
 def reclaim(instance_id: str, region: str = "us-east-1") -> None:
-    """What a spot interruption looks like afterwards: terminated, with EC2's reclaim reason."""
-    instance = models.ec2_backends[DEFAULT_ACCOUNT_ID][region].get_instance(instance_id)
-    instance.terminate()
-    instance.state_reason = StateReason(RECLAIM_MESSAGE, "Server.SpotInstanceTermination")
+    """What a spot interruption looks like afterwards: terminated, with EC2's reclaim reason
+    (the embedded stack's spot market does exactly this)."""
+    terminate_as_reclaimed(instance_id, region)
