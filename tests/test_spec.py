@@ -1,0 +1,76 @@
+"""The job spec: the example validates; every impossible spec is refused with the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spotrain.workflows.spec import SpecError, parse_spec
+
+from .jobs import job_spec
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "job.yaml"
+
+
+def refusal(spec: Any) -> str:
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec)
+    return str(err.value)
+
+
+def test_example_and_defaults() -> None:
+    spec = parse_spec(yaml.safe_load(EXAMPLE.read_text()))
+    assert spec.elastic.min_nodes == 2 and spec.elastic.max_nodes == 4
+    assert spec.elastic.reclaim_policy == "replace" and spec.on_demand.fallback
+    minimal = parse_spec(job_spec())
+    assert minimal.type == "pytorch" and minimal.cleanup == "keep_failed"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"elastic": {"min_nodes": 5}}, "elastic: min_nodes (5) > max_nodes (4)"),
+        (
+            {"elastic": {"increment_step": 2, "discrete_sizes": [2, 4]}},
+            "set increment_step or discrete_sizes, not both",
+        ),
+        (
+            {"elastic": {"discrete_sizes": [2, 8]}},
+            "discrete_sizes [8] outside [min_nodes, max_nodes] = [2, 4]",
+        ),
+        ({"elastic": {"initial_nodes": 9}}, "initial_nodes (9) outside"),
+        (
+            {"elastic": {"graceful_shutdown_timeout_s": -1}},
+            "elastic.graceful_shutdown_timeout_s: Input should be greater than 0",
+        ),
+        ({"spot": {"instance_types": []}}, "spot.instance_types: List should have at least 1 item"),
+        ({"name": "Bad_Name"}, "name: String should match pattern"),
+        ({"checkpoint": "/no/scheme"}, "must be s3://bucket/prefix or file:///path"),
+        ({"total_steps": 0}, "total_steps: Input should be greater than 0"),
+        ({"gpus_per_node": 4}, "gpus_per_node (4) exceeds every instance type's GPUs ([1])"),
+        (
+            {"global_batch_size": 3},
+            "global_batch_size (3) is smaller than the largest world size (4)",
+        ),
+        ({"on_demand": {"base_nodes": 5}}, "on_demand.base_nodes (5) > elastic.max_nodes (4)"),
+        ({"spot": {"enabled": False}, "on_demand": {"fallback": False}}, "no nodes"),
+        (
+            {"elastic": {"min_nodes": 2, "typo_field": 1}},
+            "elastic.typo_field: Extra inputs are not permitted",
+        ),
+        ({"tpye": "pytorch"}, "tpye: Extra inputs are not permitted"),
+    ],
+)
+def test_impossible_specs_are_refused_with_the_field(
+    overrides: dict[str, Any], message: str
+) -> None:
+    assert message in refusal(job_spec(**overrides))
+
+
+def test_every_problem_is_listed_and_non_mappings_refused() -> None:
+    text = refusal({"name": "x"})
+    assert "command: Field required" in text and "spot: Field required" in text
+    assert "expected a mapping, got list" in refusal([1, 2])
