@@ -62,6 +62,18 @@ def test_example_and_defaults() -> None:
             "elastic.typo_field: Extra inputs are not permitted",
         ),
         ({"tpye": "pytorch"}, "tpye: Extra inputs are not permitted"),
+        (
+            {
+                "total_gpus": 15,
+                "spot": {
+                    "instance_types": [
+                        {"name": "a", "gpus": 10, "on_demand_price": 1},
+                        {"name": "b", "gpus": 8, "on_demand_price": 1},
+                    ]
+                },
+            },
+            "total_gpus 15 packs onto 2 node(s) using 10 + 5 GPUs: set elastic.max_nodes to 2",
+        ),
     ],
 )
 def test_impossible_specs_are_refused_with_the_field(

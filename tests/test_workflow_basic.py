@@ -25,3 +25,24 @@ async def test_job_runs_to_completion_and_releases_everything(ts_env: WorkflowEn
     assert 9.9 < result.node_hours["spot"] < 10.5
     assert result.cost["on-demand"] == 0
     assert abs(result.savings - (1 - 0.97 / 3.06)) < 1e-6
+
+
+async def test_total_gpus_are_packed_onto_node_shapes(ts_env: WorkflowEnvironment) -> None:
+    types = [
+        {"name": "p4.big", "gpus": 10, "on_demand_price": 30.0, "spot_price": 9.0},
+        {"name": "p4.mid", "gpus": 8, "on_demand_price": 24.0, "spot_price": 7.0},
+    ]
+    spec = job_spec(
+        total_gpus=15,
+        total_steps=3_600,
+        elastic={"min_nodes": 1, "max_nodes": 2},
+        spot={"instance_types": types},
+    )
+    async with simulated(ts_env.client) as sim:
+        handle = await sim.start(spec)
+        result = await handle.result()
+    launched = sorted((launch.instance_type, launch.slot) for launch in sim.cloud.launches)
+    assert [t for t, _ in launched] == ["p4.big", "p4.mid"]  # 10 + 5 GPUs, never 10 + 10
+    started = next(e for e in result.timeline if e.event == "generation started")
+    assert "world size 15" in started.detail
+    assert result.steps_done == 3_600

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from spotrain.workflows.planner import pack_gpus
+
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?$"
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
@@ -143,8 +145,15 @@ class JobSpec(Strict):
                 f"gpus_per_node ({self.gpus_per_node}) exceeds every instance type's GPUs "
                 f"({shapes})"
             )
-        if self.total_gpus is not None and max(shapes) == 0:
-            raise ValueError("total_gpus needs instance types with GPUs")
+        if self.total_gpus is not None:
+            if max(shapes) == 0:
+                raise ValueError("total_gpus needs instance types with GPUs")
+            packed = [used for _, used in pack_gpus(self.total_gpus, shapes)]
+            if self.elastic.max_nodes != len(packed):
+                raise ValueError(
+                    f"total_gpus {self.total_gpus} packs onto {len(packed)} node(s) using "
+                    f"{' + '.join(map(str, packed))} GPUs: set elastic.max_nodes to {len(packed)}"
+                )
         if self.on_demand.base_nodes > self.elastic.max_nodes:
             raise ValueError(
                 f"on_demand.base_nodes ({self.on_demand.base_nodes}) > elastic.max_nodes "

@@ -674,16 +674,25 @@ class TrainingJob:
         if short <= 0:
             return
         offers = await self._find_offers()
-        pools = [(o.instance_type, o.zone) for o in offers]
+        gpus = {t.name: t.gpus for t in s.spec.spot.instance_types}
         held = Counter((n.instance_type, n.zone or "") for n in alive if n.lifecycle == "spot")
-        picks = planner.diversify(pools, dict(held), short)
         on_demand_room = self._on_demand_room()
         for i in range(short):
             od_ok = not spot_only and s.owed > 0 and on_demand_room > 0
-            if i < len(picks):
-                first = pools.index(picks[i])
+            # Pools that fit the node's share, snuggest shape first (least idle GPUs).
+            need = self._need()[0]
+            fitting = sorted(
+                ((o.instance_type, o.zone) for o in offers if gpus[o.instance_type] >= need),
+                key=lambda pool: gpus[pool[0]],
+            )
+            snug = [p for p in fitting if gpus[p[0]] == gpus[fitting[0][0]]] if fitting else []
+            picks = planner.diversify(snug, dict(held), 1)
+            if picks:
+                held[picks[0]] += 1
                 self._order(
-                    lifecycle="spot", pools=pools[first:] + pools[:first], on_demand_ok=od_ok
+                    lifecycle="spot",
+                    pools=[picks[0], *(p for p in fitting if p != picks[0])],
+                    on_demand_ok=od_ok,
                 )
             elif od_ok:
                 self._order(lifecycle="on-demand", fallback=True, pools=[])
@@ -701,10 +710,25 @@ class TrainingJob:
         used = sum(1 for n in s.nodes if n.alive and n.lifecycle == "on-demand" and not n.base)
         return 10**6 if cap is None else max(0, cap - s.spec.on_demand.base_nodes - used)
 
-    def _on_demand_type(self) -> str:
+    def _need(self) -> tuple[int, int]:
+        """(GPUs, processes) of the next node ordered. With `total_gpus`, the first share of
+        the packing that no live node holds yet (15 over {10, 8}: 10, then 5)."""
         s = self._active_state()
-        need = s.spec.gpus_per_node or 0
-        fits = [t for t in s.spec.spot.instance_types if t.gpus >= need]
+        if s.spec.total_gpus is None:
+            return s.spec.gpus_per_node or 0, s.spec.gpus_per_node or s.spec.procs_per_node
+        shapes = [t.gpus for t in s.spec.spot.instance_types]
+        held = Counter(n.procs for n in s.nodes if n.alive)
+        for _, used in planner.pack_gpus(s.spec.total_gpus, shapes):
+            if held[used]:
+                held[used] -= 1
+            else:
+                return used, used
+        return max(shapes), max(shapes)  # a node beyond the packing (user scale-out)
+
+    def _on_demand_type(self) -> str:
+        """The cheapest type that fits the next node: a fallback node sized to its share."""
+        s = self._active_state()
+        fits = [t for t in s.spec.spot.instance_types if t.gpus >= self._need()[0]]
         return min(fits, key=lambda t: t.on_demand_price).name
 
     def _order(
@@ -725,7 +749,7 @@ class TrainingJob:
             zone=pools[0][1] if pools else None,
             base=base,
             fallback=fallback,
-            procs=s.spec.gpus_per_node or s.spec.procs_per_node,
+            procs=self._need()[1],
             price=0.0,
             on_demand_price=s.spec.instance_type(itype).on_demand_price,
         )
