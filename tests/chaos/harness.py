@@ -48,7 +48,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = Path(__file__).with_name("train.py")
 FULL = os.environ.get("CHAOS_FULL") == "1"
 REAL_TIMEOUTS = os.environ.get("CHAOS_REAL_TIMEOUTS") == "1"
-TOTAL_STEPS = 1200  # 24 s of 20 ms steps: room for a whole cycle plus crash recovery
+TOTAL_STEPS = 800  # 16 s of 20 ms steps
+HOLD_AT = 300  # ranks wait there until the scenario says go (see train.py)
 CYCLE_SIZES = [4, 2, 4]  # 2 nodes x 2 ranks; reclaim one node; its replacement joins
 Handle = WorkflowHandle[Any, Any]
 
@@ -183,7 +184,7 @@ class ChaosEnv:
             "name": job,
             "type": "command",
             "command": [sys.executable, str(TRAIN)],
-            "env": {"CHAOS_RECORD_DIR": str(self.records(job))},
+            "env": {"CHAOS_RECORD_DIR": str(self.records(job)), "CHAOS_HOLD_AT": str(HOLD_AT)},
             "procs_per_node": 2,
             "total_steps": TOTAL_STEPS,
             "checkpoint": f"file://{self.root}/ckpt/{job}",
@@ -191,12 +192,12 @@ class ChaosEnv:
             "elastic": {
                 "min_nodes": 1,
                 "max_nodes": 2,
-                "graceful_shutdown_timeout_s": 5,
+                "graceful_shutdown_timeout_s": 15,
                 "scaling_timeout_s": 1,
                 "faulty_scale_down_timeout_s": 3,
                 "capacity_check_interval_s": 1,
                 "progress_report_interval_s": 1,
-                "stall_timeout_s": 20,
+                "stall_timeout_s": 60,
                 **elastic,
             },
             "spot": {
@@ -267,17 +268,30 @@ async def fail_orphaned_attempts(client: Client, job: str) -> int:
     return failed
 
 
+def cycle_done(s: JobStatus) -> bool:
+    """The reclaim cycle played out: the replacement joined (generation 3 at world 4)."""
+    return running(4)(s) and s.generation >= 3
+
+
 async def supervise(
-    env: ChaosEnv, handle: Handle, worker: WorkerProcess, timeout: float = 240
+    env: ChaosEnv,
+    handle: Handle,
+    worker: WorkerProcess,
+    go_when: Callable[[JobStatus], bool] = cycle_done,
+    timeout: float = 240,
 ) -> tuple[JobResult | BaseException, int]:
-    """Wait for the job's end, replacing a dead worker with a fresh (crash-free) one each time.
-    Returns the result (or the exception it ended with) and how many workers died."""
+    """Wait for the job's end, replacing a dead worker with a fresh (crash-free) one each time,
+    and let the ranks past HOLD_AT once `go_when` holds. Returns the result (or the exception
+    it ended with) and how many workers died."""
     job = handle.id
+    go = env.records(job) / "go"
     outcome = asyncio.ensure_future(handle.result())
     deaths = 0
     deadline = time.monotonic() + timeout
     try:
         while not outcome.done():
+            if not go.exists() and (s := await status(handle)) is not None and go_when(s):
+                go.touch()
             if time.monotonic() > deadline:
                 outcome.cancel()
                 raise AssertionError(f"{job}: no result after {timeout:.0f}s (see {env.root})")
@@ -431,3 +445,13 @@ def check_job(
         if g.acked and len(store.acked_ranks(g.number)) != g.world:
             fig.problems.append(f"generation {g.number}: acks {store.acked_ranks(g.number)}")
     return fig
+
+
+def memberships(env: ChaosEnv, job: str) -> list[set[str]]:
+    """Node ids of each generation, from the local runtime's pid files (kept when the spec
+    says cleanup: never): the runtime's record, even of ranks killed before they ran."""
+    gens = sorted(
+        (env.state_dir / "jobs" / job).glob("gen-*"),
+        key=lambda p: int(p.name.removeprefix("gen-")),
+    )
+    return [{json.loads(p.read_text())["node_id"] for p in g.glob("rank-*.pid")} for g in gens]

@@ -4,6 +4,9 @@ It writes every step it does to `$CHAOS_RECORD_DIR/gen-<g>-rank-<r>.steps` (firs
 where it started, its world size and node), so the test can prove steps add up exactly from
 the workers' own record, whatever the controller did. CHAOS_ACK_DELAY_S stretches the
 checkpoint after an elastic event (to make a resize last long enough to interrupt).
+CHAOS_HOLD_AT: ranks stop stepping at that step (still answering elastic events) until the
+file `go` appears in the record directory, so a slow machine cannot finish the job before
+the scenario under test has played out.
 """
 
 import os
@@ -19,16 +22,19 @@ CHECKPOINT_EVERY = 10
 s = elastic.settings()
 latest = elastic.latest_checkpoint()
 step = latest["step"] if latest else 0
-record = Path(os.environ["CHAOS_RECORD_DIR"]) / f"gen-{s.generation}-rank-{s.rank}.steps"
+hold_at = int(os.environ.get("CHAOS_HOLD_AT", "-1"))
+records = Path(os.environ["CHAOS_RECORD_DIR"])
+record = records / f"gen-{s.generation}-rank-{s.rank}.steps"
 with record.open("a", buffering=1) as out:
     out.write(f"start {step} world {s.world_size} node {s.node_id}\n")
     while step < s.total_steps:
         time.sleep(STEP_S)
-        step += 1
-        out.write(f"{step}\n")
-        if step % CHECKPOINT_EVERY == 0:
-            elastic.mark_checkpoint(step, f"ckpt-{step}")
-        elastic.report_progress(step)
+        if step != hold_at or (records / "go").exists():
+            step += 1
+            out.write(f"{step}\n")
+            if step % CHECKPOINT_EVERY == 0:
+                elastic.mark_checkpoint(step, f"ckpt-{step}")
+            elastic.report_progress(step)
         if elastic.elastic_event_detected():
             time.sleep(float(os.environ.get("CHAOS_ACK_DELAY_S", "0")))
             elastic.mark_checkpoint(step, f"ckpt-{step}")
