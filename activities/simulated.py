@@ -122,6 +122,8 @@ class SimulatedCloud:
     @activity.defn(name=contract.DESCRIBE_NODES)
     def describe_nodes(self, req: DescribeRequest) -> list[NodeInfo]:
         with self._lock:
+            if not req.node_ids:  # every node of the job, as EC2's tag lookup gives
+                return [n.info for n in self.nodes.values() if n.job == req.job]
             gone = NodeInfo(
                 node_id="", slot=-1, lifecycle="spot", instance_type="", zone="", state="gone"
             )
