@@ -191,7 +191,8 @@ async def stop_at_random(
     else:
         await handle.cancel()
         await supervise(env, handle, worker)
-        await record_history(handle, f"chaos_{job}")
+        if training:
+            await record_history(handle, f"chaos_cancel_{job.replace('-', '_')}")
     await asyncio.sleep(1)  # anything started late would show up now
     fig = check_job(env, job, completed=False)
     fig.scenario = f"{'terminate' if terminate else 'cancel'} after {delay:.1f}s (step {step})"
