@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = Path(__file__).with_name("train.py")
 FULL = os.environ.get("CHAOS_FULL") == "1"
 REAL_TIMEOUTS = os.environ.get("CHAOS_REAL_TIMEOUTS") == "1"
-TOTAL_STEPS = 800  # 16 s of 20 ms steps
-HOLD_AT = 300  # ranks wait there until the scenario says go (see train.py)
+TOTAL_STEPS = 400  # 8 s of 20 ms steps
+HOLD_AT = 100  # ranks wait there until the scenario says go (see train.py)
 CYCLE_SIZES = [4, 2, 4]  # 2 nodes x 2 ranks; reclaim one node; its replacement joins
 Handle = WorkflowHandle[Any, Any]
 

@@ -52,7 +52,7 @@ FULL_POINTS = [
     "api:DescribeInstances",
     "after:cleanup_job",
 ]
-CONCURRENT = 8
+CONCURRENT = 16
 RECORDED = {"after:launch_node", "elastic-event-raised"}  # histories for the replay test
 
 
