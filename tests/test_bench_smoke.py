@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import goodput
+from bench import goodput, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
 
 # Two zones of 4 nodes at 300 s ticks: all, then a drop, a gap, and back.
@@ -67,7 +67,7 @@ def test_goodput_benchmark_runs_the_real_workflow(tmp_path: Path) -> None:
         [
             *("--trace", f"us-test-1a={a}", "--trace", f"us-test-1b={b}"),
             *("--max-nodes", "8", "--min-nodes", "2", "--base-nodes", "2"),
-            *("--work-node-hours", "16", "--checkpoint-minutes", "20", "--out", str(tmp_path)),
+            *("--work-node-hours", "8", "--checkpoint-minutes", "20", "--out", str(tmp_path)),
         ]
     )
     rows = {r["policy"]: r for r in report["rows"]}
@@ -93,3 +93,28 @@ def test_goodput_benchmark_runs_the_real_workflow(tmp_path: Path) -> None:
         assert 0 < row["goodput"] <= 1.0 + 1e-9
     assert (tmp_path / "goodput.json").exists()
     assert (tmp_path / "goodput_world_size.png").stat().st_size > 10_000
+
+
+def test_scale_benchmark_measures_every_reclaim(tmp_path: Path) -> None:
+    report = scale.main(
+        [
+            *("--jobs", "3", "--duration-s", "6", "--reclaim-every-s", "2"),
+            *("--suggest-can", "100", "--out", str(tmp_path)),
+        ]
+    )
+    (row,) = report["rows"]
+    assert row["reclaims"] >= 3
+    assert row["reaction_ms"]["n"] == row["reclaims"]  # each reached the worker-notify activity
+    assert 0 < row["reaction_p50_ms"] <= row["reaction_p99_ms"] < 10_000
+    assert row["continued_as_new"] >= 1 and row["under_limits"]  # the server's hint was 100
+    assert row["events_per_cycle"] > 10 and row["peak_rss_mb"] > 0
+
+
+def test_reaction_benchmark_with_real_processes(tmp_path: Path) -> None:
+    report = reaction.main(["--reclaims", "2", "--out", str(tmp_path)])
+    rows = {r["metric"]: r for r in report["rows"]}
+    notice, overhead = rows["notice_to_workers_ms"], rows["resize_overhead_ms"]
+    assert notice["n"] == 2 and 0 < notice["median"] < 10_000
+    assert overhead["n"] == 4  # each reclaim: shrink, then grow back onto the replacement
+    assert overhead["median"] < 30_000
+    assert json.loads((tmp_path / "reaction.json").read_text())["setup"]["reclaims"] == 2
