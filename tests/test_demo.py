@@ -29,10 +29,10 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     record = tmp_path / "record"
     run = subprocess.run(
         [
-            *(sys.executable, "-m", "spotrain.workers.demo", "--steps", "800"),
+            *(sys.executable, "-m", "spotrain.workers.demo", "--steps", "600"),
             *(
                 "--step-time",
-                "0.03",
+                "0.02",
                 "--state-dir",
                 str(tmp_path / "state"),
                 "--record",
@@ -57,8 +57,8 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     chain = list(gens.values())
     for before, after in itertools.pairwise(chain):
         assert 1 <= after[0]["step"] <= before[-1]["step"] + 1
-    assert chain[0][0]["step"] == 1 and chain[-1][-1]["step"] == 800
-    assert [e["step"] for e in chain[-1]] == list(range(chain[-1][0]["step"], 801))
+    assert chain[0][0]["step"] == 1 and chain[-1][-1]["step"] == 600
+    assert [e["step"] for e in chain[-1]] == list(range(chain[-1][0]["step"], 601))
     # Loss keeps falling across resizes.
     losses = [e["loss"] for steps in chain for e in steps]
     assert sum(losses[-50:]) / 50 < 0.5 * sum(losses[:50]) / 50
