@@ -68,7 +68,7 @@ async def crash_cycle(env: ChaosEnv, point: str, limit: asyncio.Semaphore) -> Fi
         result, deaths = await supervise(env, handle, worker)
     if point in RECORDED:
         await record_history(handle, f"chaos_{job.replace('-', '_')}")
-    fig = check_job(env, job, sizes=CYCLE_SIZES)
+    fig = check_job(env, job, sizes=CYCLE_SIZES, sizes_from=before.generation)
     fig.scenario = f"crash at {point}"
     fired = env.fired_file(job)
     if not fired.exists() or deaths != 1:

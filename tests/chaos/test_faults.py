@@ -90,7 +90,8 @@ async def test_server_killed_and_restarted_mid_resize(chaos_env: ChaosEnv) -> No
     env.server.start()
     result, _ = await supervise(env, handle, worker)
     await record_history(handle, "chaos_server_restart")
-    fig = finish(check_job(env, job, sizes=CYCLE_SIZES), result, "server SIGKILL mid-resize")
+    fig = check_job(env, job, sizes=CYCLE_SIZES, sizes_from=before.generation)
+    finish(fig, result, "server SIGKILL mid-resize")
     assert not fig.problems
 
 
@@ -107,8 +108,10 @@ async def test_flaky_cloud_never_restarts_healthy_workers(
     await reclaim(handle, member(before, 1), "flaky-notice")
     result, _ = await supervise(env, handle, worker)
     monkeypatch.undo()
-    fig = check_job(env, job, sizes=CYCLE_SIZES)
-    if isinstance(result, JobResult) and (result.faults or result.generations != 3):
+    fig = check_job(env, job, sizes=CYCLE_SIZES, sizes_from=before.generation)
+    if isinstance(result, JobResult) and (
+        result.faults or result.generations != before.generation + 2
+    ):
         fig.problems.append(f"{result.faults} faults, {result.generations} generations")
     if len(injected) < 5:
         fig.problems.append(f"only {len(injected)} errors injected")
