@@ -17,6 +17,7 @@ import asyncio
 import logging
 import random
 import resource
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -223,10 +224,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     logging.getLogger("temporalio").setLevel(logging.ERROR)
-    rows = [
-        asyncio.run(one_size(n, args.duration_s, args.reclaim_every_s, args.suggest_can))
-        for n in args.jobs or [100, 1000]
-    ]
+    rows = []
+    for jobs in args.jobs or [100, 1000]:
+        rows.append(
+            asyncio.run(one_size(jobs, args.duration_s, args.reclaim_every_s, args.suggest_can))
+        )
+        print(table(rows[-1:], COLUMNS), file=sys.stderr, flush=True)  # progress
     report = {"setup": vars(args) | {"out": str(args.out)}, "rows": rows}
     print(table(rows, COLUMNS))
     write_json(args.out / "scale.json", report)
