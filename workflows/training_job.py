@@ -71,6 +71,10 @@ JOB_FAILED = "JobFailed"
 # Continue-as-new well before Temporal's limits even where the server does not suggest it.
 HISTORY_EVENTS_BEFORE_CONTINUE = 8000
 
+# A dead worker's attempt is retried when its heartbeat (or a quick call's deadline) lapses:
+# these bound how long a controller crash can stall a job. Activities heartbeat every <= 5 s.
+HEARTBEAT = timedelta(seconds=20)
+QUICK_CALL = timedelta(seconds=30)
 QUICK = RetryPolicy(maximum_attempts=5, maximum_interval=timedelta(seconds=10))
 PERSISTENT = RetryPolicy(maximum_interval=timedelta(seconds=30))
 LAUNCH_RETRY = RetryPolicy(
@@ -337,7 +341,7 @@ class TrainingJob:
             ),
             result_type=WatchResult,
             start_to_close_timeout=timedelta(seconds=interval + 300),
-            heartbeat_timeout=timedelta(seconds=60),
+            heartbeat_timeout=HEARTBEAT,
             retry_policy=PERSISTENT,
             # Read-only: when the generation is stopped the watch is simply left to end.
             cancellation_type=ActivityCancellationType.ABANDON,
@@ -396,7 +400,7 @@ class TrainingJob:
             ),
             result_type=StopResult,
             start_to_close_timeout=timedelta(seconds=grace + 120),
-            heartbeat_timeout=timedelta(seconds=60),
+            heartbeat_timeout=HEARTBEAT,
             retry_policy=PERSISTENT,
             summary=f"{'checkpoint, ' if graceful else ''}stop generation {s.generation}: {reason}",
         )
@@ -504,7 +508,7 @@ class TrainingJob:
                 START_GENERATION,
                 plan,
                 start_to_close_timeout=timedelta(minutes=15),
-                heartbeat_timeout=timedelta(seconds=60),
+                heartbeat_timeout=HEARTBEAT,
                 retry_policy=QUICK,
                 summary=f"start generation {s.generation} on {len(members)} node(s)",
             )
@@ -788,7 +792,7 @@ class TrainingJob:
                     ),
                     result_type=NodeInfo,
                     start_to_close_timeout=timedelta(minutes=15),
-                    heartbeat_timeout=timedelta(seconds=60),
+                    heartbeat_timeout=HEARTBEAT,
                     retry_policy=LAUNCH_RETRY,
                     summary=f"launch {lifecycle} {itype} in {zone or 'any zone'}, slot {node.slot}",
                 )
@@ -840,6 +844,7 @@ class TrainingJob:
             RELEASE_NODES,
             ReleaseRequest(job=s.spec.name, node_ids=ids, region=s.spec.spot.region),
             start_to_close_timeout=timedelta(minutes=5),
+            heartbeat_timeout=HEARTBEAT,
             retry_policy=PERSISTENT,
             summary=f"release {', '.join(ids)}: {reason}",
         )
@@ -853,7 +858,7 @@ class TrainingJob:
                 FIND_OFFERS,
                 s.spec.spot,
                 result_type=list[Offer],
-                start_to_close_timeout=timedelta(minutes=2),
+                start_to_close_timeout=QUICK_CALL,
                 retry_policy=QUICK,
                 summary="find spot pools that can serve now",
             )
@@ -871,7 +876,7 @@ class TrainingJob:
                 DESCRIBE_NODES,
                 DescribeRequest(job=s.spec.name, node_ids=ids, region=s.spec.spot.region),
                 result_type=list[NodeInfo],
-                start_to_close_timeout=timedelta(minutes=2),
+                start_to_close_timeout=QUICK_CALL,
                 retry_policy=QUICK,
                 summary=f"check {len(ids)} node(s)" if ids else "find every node of the job",
             )
@@ -964,6 +969,7 @@ class TrainingJob:
             CLEANUP_JOB,
             CleanupRequest(job=s.spec.name, keep=keep),
             start_to_close_timeout=timedelta(minutes=5),
+            heartbeat_timeout=HEARTBEAT,
             retry_policy=PERSISTENT,
             summary="remove the job's workers" + (" (keeping logs)" if keep else ""),
         )

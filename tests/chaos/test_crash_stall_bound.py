@@ -1,48 +1,37 @@
 """How long a SIGKILLed worker can stall a job: Temporal retries a dead worker's activity
 attempt only when its heartbeat timeout (or, without one, its start-to-close timeout) expires.
 The crash sweep shortcuts that wait (harness.fail_orphaned_attempts); this test reads the
-timeouts the workflow really schedules, from the recorded chaos histories."""
+timeouts the workflow really schedules, from a job that uses every activity."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from datetime import timedelta
 
-import pytest
+from temporalio.testing import WorkflowEnvironment
 
-HISTORIES = sorted((Path(__file__).parent.parent / "histories").glob("chaos_*.json"))
+from tests.jobs import job_spec, simulated
+
 STALL_BOUND_S = 30  # every activity heartbeats at least every 5 s: 30 s is ample
 
 
-def _seconds(duration: str | None) -> float | None:
-    return None if duration is None else float(duration.removesuffix("s"))
-
-
-def crash_stall_by_activity() -> dict[str, float]:
-    """Activity type -> the longest wait before a crashed attempt is retried."""
+async def test_a_dead_worker_stalls_no_activity_long(ts_env: WorkflowEnvironment) -> None:
+    async with simulated(ts_env.client) as sim:
+        handle = await sim.start(job_spec(total_steps=7_200))
+        await ts_env.sleep(timedelta(minutes=10))
+        sim.runtime.fail(handle.id)  # a fault: describe, stop, start again
+        await handle.result()
+        history = await handle.fetch_history()
     stall: dict[str, float] = {}
-    for path in HISTORIES:
-        for event in json.loads(path.read_text())["events"]:
-            attrs = event.get("activityTaskScheduledEventAttributes")
-            if attrs is None:
-                continue
-            wait = _seconds(attrs.get("heartbeatTimeout")) or _seconds(
-                attrs.get("startToCloseTimeout")
+    for event in history.events:
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            attrs = event.activity_task_scheduled_event_attributes
+            wait = (
+                attrs.heartbeat_timeout.ToTimedelta() or attrs.start_to_close_timeout.ToTimedelta()
             )
-            name = attrs["activityType"]["name"]
-            stall[name] = max(stall.get(name, 0.0), wait or float("inf"))
-    return stall
-
-
-def test_chaos_histories_were_recorded() -> None:
-    assert crash_stall_by_activity(), "record with SPOTRAIN_RECORD=1 bench/chaos_report.py"
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="training_job.py: release_nodes and cleanup_job have no heartbeat timeout (5 min "
-    "start-to-close), find_offers/describe_nodes none (2 min), the rest 60 s heartbeat timeouts",
-)
-def test_a_dead_worker_stalls_no_activity_long() -> None:
-    slow = {k: v for k, v in crash_stall_by_activity().items() if v > STALL_BOUND_S}
-    assert not slow, f"retried only after (s): {slow}"
+            name = attrs.activity_type.name
+            stall[name] = max(stall.get(name, 0.0), wait.total_seconds())
+    every = {"find_offers", "launch_node", "describe_nodes", "release_nodes"}
+    every |= {"start_generation", "stop_generation", "watch_generation", "cleanup_job"}
+    assert set(stall) == every
+    slow = {name: s for name, s in stall.items() if s > STALL_BOUND_S}
+    assert not slow, f"a crashed attempt is retried only after (s): {slow}"
