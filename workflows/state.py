@@ -78,6 +78,10 @@ class JobState(BaseModel):
     members: list[int] = Field(default_factory=list, description="slots in rank order")
     running: bool = False
     nodes: list[NodeRecord] = Field(default_factory=list)
+    next_slot: int = Field(0, description="slots are never reused: they key idempotent launches")
+    retired: dict[str, float] = Field(
+        default_factory=dict, description="node-hours and cost of nodes pruned from `nodes`"
+    )
     target: int = Field(description="nodes the job wants to hold")
     ceiling: int = Field(description="most nodes it may grow to (user scaling moves it)")
     owed: int = Field(0, description="nodes that may fall back to on-demand if spot is short")
@@ -143,12 +147,27 @@ class JobState(BaseModel):
         )
         self.timeline = [*self.timeline[-(TIMELINE_KEPT - 1) :], entry]
 
-    def costs(self, now: datetime) -> tuple[dict[str, float], dict[str, float], float]:
-        """(node-hours by lifecycle, cost by lifecycle, cost had every node been on-demand)."""
-        hours = {"spot": 0.0, "on-demand": 0.0}
-        cost = {"spot": 0.0, "on-demand": 0.0}
-        all_on_demand = 0.0
-        for n in self.nodes:
+    def prune(self, now: datetime) -> None:
+        """Fold ended nodes into `retired` totals, so that state (and every activation) stays
+        small however many reclaims a long job survives."""
+        hours, cost, all_on_demand = self.costs(now, [n for n in self.nodes if not n.alive])
+        self.retired = {
+            **{f"hours:{k}": v for k, v in hours.items()},
+            **{f"cost:{k}": v for k, v in cost.items()},
+            "all_on_demand": all_on_demand,
+        }
+        self.nodes = [n for n in self.nodes if n.alive]
+
+    def costs(
+        self, now: datetime, nodes: list[NodeRecord] | None = None
+    ) -> tuple[dict[str, float], dict[str, float], float]:
+        """(node-hours by lifecycle, cost by lifecycle, cost had every node been on-demand),
+        for all nodes ever (retired ones included) or just `nodes`."""
+        r = self.retired if nodes is None else {}
+        hours = {k: r.get(f"hours:{k}", 0.0) for k in ("spot", "on-demand")}
+        cost = {k: r.get(f"cost:{k}", 0.0) for k in ("spot", "on-demand")}
+        all_on_demand = r.get("all_on_demand", 0.0)
+        for n in self.nodes if nodes is None else nodes:
             h = n.hours(now)
             hours[n.lifecycle] += h
             cost[n.lifecycle] += h * n.price

@@ -127,6 +127,7 @@ class TrainingJob:
             if await self._drive():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 s.runs += 1
+                s.prune(self._now())
                 workflow.continue_as_new(args=[s.spec.model_dump(mode="json"), s])
             await self._teardown("Succeeded", keep=s.spec.cleanup == "never")
         except asyncio.CancelledError:
@@ -746,8 +747,9 @@ class TrainingJob:
     ) -> None:
         s = self._active_state()
         itype = pools[0][0] if pools else self._on_demand_type()
+        s.next_slot = max(s.next_slot, len(s.nodes))  # (states carried from before next_slot)
         node = NodeRecord(
-            slot=len(s.nodes),
+            slot=s.next_slot,
             lifecycle=lifecycle,  # type: ignore[arg-type]
             instance_type=itype,
             zone=pools[0][1] if pools else None,
@@ -758,6 +760,7 @@ class TrainingJob:
             on_demand_price=s.spec.instance_type(itype).on_demand_price,
         )
         s.nodes.append(node)
+        s.next_slot += 1
 
         task = asyncio.create_task(self._launch(node, pools, on_demand_ok))
         self._launches[node.slot] = task
