@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import statistics
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,48 +19,12 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.binaries import temporal_cli, temporal_test_server
+from spotrain.workers.spot_market import Trace
 from spotrain.workflows import attributes
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"
 DEFAULT_TRACE = "availability_16-node_aws-08-27-2023_us-east-2b_v100_1.json"
-ZONE_IN_NAME = re.compile(r"[a-z]{2}-[a-z]+-\d[a-z]")
-
-
-@dataclass(frozen=True)
-class Trace:
-    """Spot capacity of one zone over time; past its end the trace repeats."""
-
-    zone: str
-    gap_s: float
-    data: tuple[int, ...]
-
-    @classmethod
-    def load(cls, arg: str) -> Trace:
-        """`ZONE=PATH` or `PATH` (the zone is read from the file name, e.g. us-east-2b)."""
-        zone, _, path = arg.rpartition("=")
-        found = ZONE_IN_NAME.search(Path(path).name)
-        zone = zone or (found.group(0) if found else Path(path).stem)
-        doc = json.loads(Path(path).read_text())
-        data = tuple(int(n) for n in doc["data"])
-        if not data:
-            raise ValueError(f"{path}: empty trace")
-        return cls(zone=zone, gap_s=float(doc["metadata"]["gap_seconds"]), data=data)
-
-    @property
-    def span_s(self) -> float:
-        return self.gap_s * len(self.data)
-
-    def at(self, offset_s: float) -> int:
-        return self.data[int(offset_s // self.gap_s) % len(self.data)]
-
-    def drops(self, until_s: float) -> list[float]:
-        """Offsets (s) of the ticks where capacity falls, up to `until_s`."""
-        out = []
-        for k in range(1, int(until_s // self.gap_s) + 1):
-            if self.data[k % len(self.data)] < self.data[(k - 1) % len(self.data)]:
-                out.append(k * self.gap_s)
-        return out
 
 
 def load_traces(args: Sequence[str]) -> list[Trace]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -40,6 +41,7 @@ from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.webhook import WebhookConfig, WebhookService
 from spotrain.workers.webhook_auth import AuthConfig
+from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobStatus
 from spotrain.workflows.training_job import TrainingJob
 
@@ -218,6 +220,9 @@ async def measure(client: Client, root: Path, reclaims: int, nodes: int) -> dict
             finally:
                 watch.stop()
                 await handle.cancel()
+                with contextlib.suppress(Exception):  # teardown stops every rank: let it run
+                    await asyncio.wait_for(handle.result(), timeout=60)
+                runtime.cleanup_job(CleanupRequest(job=name))  # and if it could not, we do
                 await webhook.stop()
     return {"notice_to_workers_s": notices, "resize_overhead_s": overheads(watch, times)}
 

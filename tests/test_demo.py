@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from spotrain.activities.local import LocalRuntime
+from spotrain.workflows.contract import CleanupRequest
+
 pytest.importorskip("torch")
 
 
@@ -26,23 +29,14 @@ def steps_by_generation(record: Path) -> dict[int, list[dict]]:
 
 @pytest.mark.timeout(420)
 def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
-    record = tmp_path / "record"
-    run = subprocess.run(
-        [
-            *(sys.executable, "-m", "spotrain.workers.demo", "--steps", "600"),
-            *(
-                "--step-time",
-                "0.02",
-                "--state-dir",
-                str(tmp_path / "state"),
-                "--record",
-                str(record),
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    record, state = tmp_path / "record", tmp_path / "state"
+    command = [sys.executable, "-m", "spotrain.workers.demo", "--steps", "600"]
+    command += ["--step-time", "0.02", "--state-dir", str(state), "--record", str(record)]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    finally:  # even if the demo was killed: its detached ranks must not outlive the test
+        for job in (state / "jobs").glob("*"):
+            LocalRuntime(state).cleanup_job(CleanupRequest(job=job.name, keep=True))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "left running: 0 instance(s), 0 worker process(es)" in run.stdout
     assert re.search(r"reclaims survived\s*│\s*2\s", run.stdout), run.stdout[-2000:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -34,13 +35,23 @@ from spotrain.activities.ec2 import MANAGED
 from spotrain.activities.local import LocalRuntime
 from spotrain.workers.binaries import temporal_cli
 from spotrain.workers.connect import TASK_QUEUE, connect
-from spotrain.workers.spot_market import SpotMarket
+from spotrain.workers.spot_market import SpotMarket, Trace
 from spotrain.workers.webhook import WebhookConfig, WebhookService
 from spotrain.workers.webhook_auth import AuthConfig
 from spotrain.workers.worker import DEFAULT_STATE_DIR, build_activities, run_worker
 from spotrain.workflows import attributes
 
 log = logging.getLogger("spotrain.stack")
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec: if the stack's process dies, even by SIGKILL,
+    the kernel sends the server SIGTERM (Linux), so no dev server outlives its stack."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -148,7 +159,9 @@ class Stack:
             kind = key.indexed_value_type.name.title().replace("_", "")  # KEYWORD_LIST: KeywordList
             args += ["--search-attribute", f"{key.name}={kind}"]
         log_file = (cfg.state_dir / "temporal.log").open("ab")
-        self._server = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+        self._server = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
 
         os.environ["TEMPORAL_ADDRESS"] = self.temporal_address
         for _ in range(150):
@@ -205,6 +218,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ui-port", type=int, default=8233)
     p.add_argument("--moto-port", type=int, default=5000)
     p.add_argument("--webhook-port", type=int, default=8080)
+    p.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="[ZONE=]FILE",
+        help="spot capacity of a zone follows this trace (../shared/traces format); repeatable",
+    )
+    p.add_argument("--trace-speedup", type=float, default=60.0, help="trace time per real second")
+    p.add_argument("--notice-s", type=float, default=20.0, help="notice before a traced reclaim")
     return p
 
 
@@ -216,7 +238,12 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    traces = [Trace.load(arg) for arg in args.trace]
     async with Stack(config) as stack:
+        followers = [
+            asyncio.create_task(stack.market.follow(t, args.trace_speedup, args.notice_s))
+            for t in traces
+        ]
         print(
             f"spotrain dev is up (state in {config.state_dir})\n"
             f"  Temporal   {stack.temporal_address}   Web UI http://127.0.0.1:{config.ui_port}\n"
@@ -227,8 +254,12 @@ async def serve(args: argparse.Namespace) -> None:
             "Ctrl-C to stop.",
             flush=True,
         )
+        for t in traces:
+            print(f"  zone {t.zone}: spot capacity follows its trace, {args.trace_speedup:g}x")
         await stop.wait()
         print("stopping...", flush=True)
+        for follower in followers:
+            follower.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
