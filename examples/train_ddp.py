@@ -117,7 +117,10 @@ def main() -> int:
     if args.record:
         args.record.mkdir(parents=True, exist_ok=True)
     record = (
-        (args.record / f"gen-{s.generation}-rank-{s.rank}.jsonl").open("a") if args.record else None
+        # line-buffered: a rank killed without notice still leaves every step it took
+        (args.record / f"gen-{s.generation}-rank-{s.rank}.jsonl").open("a", buffering=1)
+        if args.record
+        else None
     )
     print(
         f"gen {s.generation} rank {s.rank}/{s.world_size}: step {step}, batch {batch}", flush=True

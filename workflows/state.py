@@ -148,8 +148,8 @@ class JobState(BaseModel):
         self.timeline = [*self.timeline[-(TIMELINE_KEPT - 1) :], entry]
 
     def prune(self, now: datetime) -> None:
-        """Fold ended nodes into `retired` totals, so that state (and every activation) stays
-        small however many reclaims a long job survives."""
+        """Fold ended nodes into the `retired` totals (which accumulate), so that state, and
+        every activation, stays small however many reclaims a long job survives."""
         hours, cost, all_on_demand = self.costs(now, [n for n in self.nodes if not n.alive])
         self.retired = {
             **{f"hours:{k}": v for k, v in hours.items()},
@@ -161,9 +161,9 @@ class JobState(BaseModel):
     def costs(
         self, now: datetime, nodes: list[NodeRecord] | None = None
     ) -> tuple[dict[str, float], dict[str, float], float]:
-        """(node-hours by lifecycle, cost by lifecycle, cost had every node been on-demand),
-        for all nodes ever (retired ones included) or just `nodes`."""
-        r = self.retired if nodes is None else {}
+        """(node-hours by lifecycle, cost by lifecycle, cost had every node been on-demand):
+        the retired totals plus `nodes` (default: every node still on record)."""
+        r = self.retired
         hours = {k: r.get(f"hours:{k}", 0.0) for k in ("spot", "on-demand")}
         cost = {k: r.get(f"cost:{k}", 0.0) for k in ("spot", "on-demand")}
         all_on_demand = r.get("all_on_demand", 0.0)
