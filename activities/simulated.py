@@ -68,6 +68,7 @@ class SimulatedCloud:
         self.spot_price = spot_price
         self.nodes: dict[str, SimNode] = {}
         self.launches: list[LaunchRequest] = []  # every launch that created a node
+        self.changes: list[tuple[str, int]] = []  # (job, +1 launched / -1 gone), in order
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -117,6 +118,7 @@ class SimulatedCloud:
             )
             self.nodes[info.node_id] = SimNode(info=info, job=req.job, launched_at=_now())
             self.launches.append(req)
+            self.changes.append((req.job, +1))
             return info
 
     @activity.defn(name=contract.DESCRIBE_NODES)
@@ -139,17 +141,29 @@ class SimulatedCloud:
         with self._lock:
             for node_id in req.node_ids:
                 if node_id in self.nodes:
-                    self.nodes[node_id].info.state = "gone"
-                    self.nodes[node_id].info.reason = (
-                        self.nodes[node_id].info.reason or "terminated"
-                    )
+                    self._gone(node_id, "terminated")
             return req.node_ids
 
     def reclaim(self, node_id: str) -> None:
         """The cloud takes a spot node back (the caller signals the job, as a webhook would)."""
         with self._lock:
-            self.nodes[node_id].info.state = "gone"
-            self.nodes[node_id].info.reason = "reclaimed"
+            self._gone(node_id, "reclaimed")
+
+    def _gone(self, node_id: str, reason: str) -> None:
+        node = self.nodes[node_id]
+        if node.info.state != "gone":
+            node.info.state, node.info.reason = "gone", reason
+            self.changes.append((node.job, -1))
+
+    def peak(self, jobs: set[str]) -> int:
+        """The most nodes `jobs` held at once, over every launch and release so far."""
+        held = most = 0
+        with self._lock:
+            for job, change in self.changes:
+                if job in jobs:
+                    held += change
+                    most = max(most, held)
+        return most
 
     def running(self, job: str | None = None) -> list[NodeInfo]:
         with self._lock:

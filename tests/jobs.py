@@ -3,10 +3,12 @@ cloud and runtime, and history recording for the replay tests."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,8 +19,9 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
+from spotrain.workers.worker import WORKFLOWS
+from spotrain.workflows.pool import PoolConfig, pool_workflow_id
 from spotrain.workflows.state import JobResult, JobStatus
-from spotrain.workflows.training_job import TrainingJob
 
 HISTORIES = Path(__file__).parent / "histories"
 
@@ -103,6 +106,13 @@ class Sim:
     async def status(self, handle: WorkflowHandle[Any, Any]) -> JobStatus:
         return await handle.query("status", result_type=JobStatus)
 
+    async def start_pool(self, **config: Any) -> WorkflowHandle[Any, Any]:
+        """A CapacityPool served by this worker (`config`: PoolConfig's fields)."""
+        pool = PoolConfig(**config)
+        return await self.client.start_workflow(
+            "CapacityPool", pool, id=pool_workflow_id(pool.name), task_queue=self.task_queue
+        )
+
 
 @asynccontextmanager
 async def simulated(
@@ -117,12 +127,43 @@ async def simulated(
         async with Worker(
             client,
             task_queue=sim.task_queue,
-            workflows=[TrainingJob],
+            workflows=WORKFLOWS,
             activities=sim.cloud.activities() + sim.runtime.activities(),
             activity_executor=pool,
             **worker_options,
         ):
             yield sim
+
+
+async def until(
+    sim: Sim,
+    handle: WorkflowHandle[Any, Any],
+    check: Callable[[JobStatus], bool],
+    timeout: float = 30,
+) -> JobStatus:
+    """Poll the `status` query until `check` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = await sim.status(handle)
+        if check(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out; last status: {status.model_dump_json(indent=1)[:3000]}"
+            )
+        await asyncio.sleep(0.1)
+
+
+def running_at(size: int, generation: int | None = None) -> Callable[[JobStatus], bool]:
+    def check(s: JobStatus) -> bool:
+        at_generation = generation is None or s.generation >= generation
+        return s.phase == "Running" and s.world_size == size and at_generation
+
+    return check
+
+
+def sizes(result_or_status: Any) -> list[int]:
+    return [e.world_size for e in result_or_status.timeline if e.event == "generation started"]
 
 
 async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -21,43 +20,15 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workflows.state import JobStatus
 
-from .jobs import Sim, fast_runtime, fast_spec, record_history, simulated
+from .jobs import fast_runtime, fast_spec, record_history, running_at, simulated, sizes, until
 
 Handle = WorkflowHandle[Any, Any]
 ONE_ZONE = {"zones": ["us-east-1a"]}
 
 
-async def until(
-    sim: Sim, handle: Handle, check: Callable[[JobStatus], bool], timeout: float = 30
-) -> JobStatus:
-    """Poll the `status` query until `check` holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = await sim.status(handle)
-        if check(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out; last status: {status.model_dump_json(indent=1)[:3000]}"
-            )
-        await asyncio.sleep(0.1)
-
-
-def running_at(size: int, generation: int | None = None) -> Callable[[JobStatus], bool]:
-    def check(s: JobStatus) -> bool:
-        at_generation = generation is None or s.generation >= generation
-        return s.phase == "Running" and s.world_size == size and at_generation
-
-    return check
-
-
 def members(status: JobStatus) -> list[str]:
     ranked = sorted((n for n in status.nodes if n.rank is not None), key=lambda n: n.rank or 0)
     return [n.node_id or "" for n in ranked]
-
-
-def sizes(result_or_status: Any) -> list[int]:
-    return [e.world_size for e in result_or_status.timeline if e.event == "generation started"]
 
 
 def in_seconds(seconds: float) -> str:

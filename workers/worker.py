@@ -1,4 +1,5 @@
-"""The Temporal worker: TrainingJob workflows plus one node provider and one worker runtime.
+"""The Temporal worker: TrainingJob and CapacityPool workflows, plus one node provider and one
+worker runtime.
 
 The workflow calls activities by name and never knows which implementation answers: the
 worker picks them when it starts. It holds no state of its own, so it can be killed and
@@ -26,7 +27,10 @@ from temporalio.worker import Worker
 
 from spotrain.workers import metrics
 from spotrain.workers.connect import TASK_QUEUE, connect
+from spotrain.workflows.pool import CapacityPool
 from spotrain.workflows.training_job import TrainingJob
+
+WORKFLOWS = [TrainingJob, CapacityPool]
 
 PROVIDERS = ("ec2", "simulated")
 RUNTIMES = ("local", "kubernetes", "simulated")
@@ -77,7 +81,7 @@ async def run_worker(
         worker = Worker(
             client,
             task_queue=task_queue,
-            workflows=[TrainingJob],
+            workflows=WORKFLOWS,
             activities=activities,
             activity_executor=pool,
             max_concurrent_activities=64,

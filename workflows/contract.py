@@ -59,6 +59,44 @@ class Empty(Message):
     """Payload of `pause` and `resume`."""
 
 
+# --- capacity pools: what a job and its pool tell each other (signals both ways) ---------
+
+
+class PoolReport(Message):
+    """Signal `report` to a pool: the job's claim and where it stands. The whole picture every
+    time, so the latest report wins and a repeated one does no harm."""
+
+    job: str
+    seq: int = Field(description="the job's report counter: older reports are ignored")
+    claiming: bool = Field(description="False: the job left (ended or paused), holds nothing")
+    priority: int
+    team: str | None = None
+    preemptible: bool = False
+    min_nodes: int
+    max_nodes: int
+    gpus_per_node: int = 0
+    spot_price: float
+    on_demand_price: float
+    min_on_demand: int = Field(0, description="on-demand nodes it cannot run without")
+    max_on_demand: int = Field(0, description="on-demand nodes it may use at most")
+    all_on_demand: bool = False
+    progress: float = 0.0
+    holding: int = 0
+    holding_on_demand: int = 0
+    allowance: int = Field(0, description="the grant it acts on")
+    allowance_on_demand: int = 0
+    grant_seq: int = Field(0, description="the last grant it applied")
+
+
+class PoolGrant(Message):
+    """Signal `grant` to a job: how many nodes, and of them on-demand, it may hold now."""
+
+    seq: int
+    nodes: int
+    on_demand: int
+    refused: str | None = Field(None, description="the job can never fit in the pool: why")
+
+
 # --- node provider ---------------------------------------------------------------------------
 
 

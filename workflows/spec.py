@@ -106,6 +106,18 @@ class ElasticPolicy(Strict):
         return self
 
 
+class PoolMembership(Strict):
+    """A shared capacity pool the job draws its nodes from (its quota, queue and budgets)."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the pool (`spotrain pool create`)")
+    team: str | None = Field(None, description="whose budget in the pool the job spends")
+    preemptible: bool = Field(
+        False,
+        description="at its min, may be paused whole (after a checkpoint) for a job "
+        "of higher priority",
+    )
+
+
 class JobSpec(Strict):
     """One training job. `name` is also its Temporal workflow id."""
 
@@ -130,6 +142,7 @@ class JobSpec(Strict):
     checkpoint: str = Field(description="s3://bucket/prefix or file:///path")
     cleanup: Literal["always", "keep_failed", "never"] = "keep_failed"
     priority: int = Field(0, description="higher runs first when capacity is short")
+    pool: PoolMembership | None = Field(None, description="None: unconstrained by any pool")
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -166,6 +179,10 @@ class JobSpec(Strict):
             raise ValueError("on_demand.base_nodes exceeds on_demand.max_nodes")
         if not self.spot.enabled and not (self.on_demand.fallback or self.on_demand.base_nodes):
             raise ValueError("spot.enabled is false and on-demand fallback is off: no nodes")
+        if self.pool and self.pool.preemptible and self.on_demand.base_nodes:
+            raise ValueError(
+                "pool.preemptible with on_demand.base_nodes: base nodes are never preempted"
+            )
         max_world = self.elastic.max_nodes * self.procs_per_node
         if self.global_batch_size is not None and self.global_batch_size < max_world:
             raise ValueError(

@@ -11,10 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from spotrain.workflows.contract import Lifecycle
+from spotrain.workflows.contract import Lifecycle, PoolGrant
 from spotrain.workflows.spec import JobSpec
 
-Phase = Literal["Pending", "Running", "Resizing", "Paused", "Succeeded", "Failed", "Cancelled"]
+Phase = Literal[
+    "Queued", "Pending", "Running", "Resizing", "Paused", "Succeeded", "Failed", "Cancelled"
+]
 NodeState = Literal["requested", "ready", "gone", "released"]
 
 SEEN_EVENTS_KEPT = 2000
@@ -56,11 +58,14 @@ class NodeRecord(BaseModel):
 class Event(BaseModel):
     """Something to act on, queued by a signal, an update or the workflow's own checks."""
 
-    kind: Literal["reclaim", "rebalance", "lost", "scale_out", "scale_in", "pause", "resume"]
+    kind: Literal[
+        "reclaim", "rebalance", "lost", "scale_out", "scale_in", "pause", "resume", "grant"
+    ]
     node_id: str | None = None
     deadline: datetime | None = None
     count: int | None = None
     node_ids: list[str] | None = None
+    grant: PoolGrant | None = None
 
 
 class TimelineEntry(BaseModel):
@@ -103,6 +108,9 @@ class JobState(BaseModel):
     next_check: datetime | None = None
     failure: str | None = None
     runs: int = 1
+    grant: PoolGrant | None = Field(None, description="what its pool lets it hold (pool jobs)")
+    grant_seen: int = Field(0, description="the newest grant received: repeats are ignored")
+    pool_reports: int = Field(0, description="reports sent to the pool, numbering them")
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -127,6 +135,13 @@ class JobState(BaseModel):
     @property
     def world_size(self) -> int:
         return sum(n.procs for n in self.member_nodes) if self.running else 0
+
+    @property
+    def allowed(self) -> int:
+        """Nodes the job may hold now: its target, within its pool's grant if it has a pool."""
+        if self.spec.pool is None:
+            return self.target
+        return min(self.target, self.grant.nodes if self.grant else 0)
 
     def remember(self, event_id: str | None) -> bool:
         """False if this event id was seen before (signals carry no dedupe id of their own)."""
@@ -235,6 +250,8 @@ class JobStatus(JobAccounts):
     checkpoint_step: int
     cost_so_far: float
     nodes: list[NodeView]
+    pool: str | None = None
+    pool_grant: int | None = Field(None, description="nodes its pool lets it hold now")
 
 
 class JobResult(JobAccounts):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -47,6 +48,8 @@ with workflow.unsafe.imports_passed_through():
         NodeInfo,
         NodeLost,
         Offer,
+        PoolGrant,
+        PoolReport,
         ReclaimNotice,
         ReleaseRequest,
         ScaleIn,
@@ -56,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
         WatchRequest,
         WatchResult,
     )
+    from spotrain.workflows.pool import pool_workflow_id
     from spotrain.workflows.spec import SpecError, parse_spec
     from spotrain.workflows.state import (
         Event,
@@ -109,6 +113,7 @@ class TrainingJob:
         self._next_watch: datetime | None = None
         self._changes = 0
         self._published: tuple[Any, ...] | None = None
+        self._reported: dict[str, Any] | None = None
 
     # --- the public interface ----------------------------------------------------------------
 
@@ -123,6 +128,8 @@ class TrainingJob:
             s.submitted_at = self._now()
             s.next_check = self._now() + timedelta(seconds=s.spec.elastic.capacity_check_interval_s)
             s.record(self._now(), "submitted", f"target {s.target} nodes")
+            if s.spec.pool is not None:
+                self._set_phase("Queued")
         try:
             if await self._drive():
                 await workflow.wait_condition(workflow.all_handlers_finished)
@@ -151,6 +158,12 @@ class TrainingJob:
     def node_lost(self, lost: NodeLost) -> None:
         if self.s and self.s.remember(lost.event_id):
             self.s.inbox.append(Event(kind="lost", node_id=lost.node_id))
+
+    @workflow.signal(name="grant")
+    def grant(self, grant: PoolGrant) -> None:
+        if self.s and grant.seq > self.s.grant_seen:
+            self.s.grant_seen = grant.seq
+            self.s.inbox.append(Event(kind="grant", grant=grant))
 
     @workflow.update(name="scale_out")
     def scale_out(self, req: ScaleOut) -> str:
@@ -222,6 +235,8 @@ class TrainingJob:
             total_steps=s.spec.total_steps,
             checkpoint_step=s.checkpoint_step,
             cost_so_far=round(accounts["total_cost"], 4),
+            pool=s.spec.pool.name if s.spec.pool else None,
+            pool_grant=s.grant.nodes if s.grant else None,
             nodes=[
                 NodeView(
                     node_id=n.node_id,
@@ -267,7 +282,8 @@ class TrainingJob:
             await self._reconcile_orders()
         while True:
             await self._handle_inbox()
-            if s.phase == "Paused":
+            await self._report_to_pool()
+            if s.phase in ("Paused", "Queued"):
                 await workflow.wait_condition(lambda: bool(s.inbox))
                 continue
             if s.running:
@@ -291,8 +307,10 @@ class TrainingJob:
         """Wait until an event is queued, nodes change, `ready()` holds, or `seconds` pass."""
         s = self._active_state()
         changes = self._changes
-        if seconds is not None and seconds < 0.01:
-            return  # already due: a timer now would only be cancelled at once
+        if seconds is not None and seconds <= 0:
+            # Already due. (Only then: workflow time stands still within an activation, so
+            # returning early for anything due later would spin the loop without yielding.)
+            return
         with contextlib.suppress(TimeoutError):
             await workflow.wait_condition(
                 lambda: bool(s.inbox) or self._changes != changes or ready(), timeout=seconds
@@ -460,9 +478,9 @@ class TrainingJob:
             elastic.min_nodes, elastic.max_nodes, elastic.increment_step, elastic.discrete_sizes
         )
         ready = [n for n in s.nodes if n.state == "ready"]
-        size = planner.best_size(len(ready), sizes, cap=min(s.target, s.ceiling))
+        size = planner.best_size(len(ready), sizes, cap=min(s.allowed, s.ceiling))
         now = self._now()
-        if size is not None and size < s.target:
+        if size is not None and size < s.allowed:
             if s.hold_until is None and s.generation == 0 and self._launches:
                 # gang start: give the rest of the nodes ordered a moment to arrive
                 s.hold_until = now + timedelta(seconds=elastic.scaling_timeout_s)
@@ -564,8 +582,14 @@ class TrainingJob:
             elif event.kind == "resume" and s.phase == "Paused":
                 s.record(self._now(), "resumed")
                 s.owed = s.target - s.spec.on_demand.base_nodes
-                self._set_phase("Pending")
-                await self._reconcile_orders()
+                if s.spec.pool is None:
+                    self._set_phase("Pending")
+                    await self._reconcile_orders()
+                else:  # claim again: the pool admits it when its turn comes
+                    s.grant = None
+                    self._set_phase("Queued")
+            elif event.kind == "grant" and event.grant and s.phase != "Paused":
+                await self._on_grant(event.grant)
 
     async def _on_reclaim(self, event: Event) -> None:
         """A notice with time left: checkpoint, shrink onto the survivors, replace per policy."""
@@ -634,12 +658,8 @@ class TrainingJob:
 
     async def _on_scale_in(self, event: Event) -> None:
         s = self._active_state()
-        alive = [n for n in s.nodes if n.alive]
-        # Rank order, then nodes not in the generation: those go first when removing by count.
-        order = [n for n in s.member_nodes if n.alive] + [
-            n for n in alive if n.slot not in s.members
-        ]
-        names = {n.node_id or f"slot-{n.slot}": n for n in order}
+        order = self._removal_order()
+        names = {n.node_id or f"slot-{n.slot}": n for n in reversed(order)}
         victims_ids = planner.scale_in_victims(list(names), event.count, event.node_ids)
         victims = [names[v] for v in victims_ids]
         s.target = max(s.spec.elastic.min_nodes, s.target - len(victims))
@@ -647,18 +667,136 @@ class TrainingJob:
         s.record(
             self._now(), "scale in", f"removing {', '.join(victims_ids)}; target {s.target} nodes"
         )
+        await self._remove(victims, "scale in", "scaled in")
+
+    def _removal_order(self) -> list[NodeRecord]:
+        """Live nodes, the first to remove first: nodes outside the generation, then the
+        highest ranks."""
+        s = self._active_state()
+        in_rank_order = [n for n in s.member_nodes if n.alive] + [
+            n for n in s.nodes if n.alive and n.slot not in s.members
+        ]
+        return list(reversed(in_rank_order))
+
+    async def _remove(self, victims: list[NodeRecord], why: str, released: str) -> None:
+        """Checkpoint and restart without `victims` if they train, then release them."""
+        s = self._active_state()
         if any(v.slot in s.members for v in victims):
-            await self._resize(graceful=True, reason="scale in", detail=", ".join(victims_ids))
-        await self._release(victims, "scaled in")
+            names = ", ".join(v.node_id or f"slot-{v.slot}" for v in victims)
+            await self._resize(graceful=True, reason=why, detail=names)
+        await self._release(victims, released)
 
     async def _on_pause(self) -> None:
+        await self._release_everything("pause", "requested by user", "paused")
+        self._set_phase("Paused")
+        self._active_state().record(self._now(), "paused")
+
+    async def _release_everything(self, why: str, detail: str, released: str) -> None:
+        """Checkpoint, stop, and give every node back (pause, preemption by the pool)."""
         s = self._active_state()
         if s.running:
-            await self._resize(graceful=True, reason="pause", detail="requested by user")
+            await self._resize(graceful=True, reason=why, detail=detail)
         await self._settle_launches()
-        await self._release([n for n in s.nodes if n.alive], "paused")
-        self._set_phase("Paused")
-        s.record(self._now(), "paused")
+        await self._release([n for n in s.nodes if n.alive], released)
+
+    # --- capacity pool -----------------------------------------------------------------------
+
+    async def _on_grant(self, grant: PoolGrant) -> None:
+        """The pool says how many nodes the job may hold: shrink gracefully (highest ranks
+        first, never the on-demand base), pause whole, or order more."""
+        s = self._active_state()
+        pool = s.spec.pool.name if s.spec.pool else ""
+        if grant.refused:
+            raise JobFailed(f"capacity pool {pool!r} cannot run this job: {grant.refused}")
+        s.grant = grant
+        s.target = max(s.target, min(s.ceiling, grant.nodes))
+        alive = [n for n in s.nodes if n.alive]
+        if grant.nodes < s.spec.elastic.min_nodes:
+            if alive:
+                s.record(self._now(), "preempted", f"by pool {pool}: queued until it has room")
+                await self._release_everything(
+                    "preempted", f"pool {pool} needs the nodes", "preempted by the pool"
+                )
+            self._set_phase("Queued")
+            return
+        if s.phase == "Queued":
+            s.record(self._now(), "admitted", f"by pool {pool}: {grant.nodes} node(s)")
+            s.owed = s.allowed - s.spec.on_demand.base_nodes
+            self._set_phase("Pending")
+        on_demand = [n for n in alive if n.lifecycle == "on-demand"]
+        extra_on_demand = max(0, len(on_demand) - grant.on_demand)
+        removable = [n for n in self._removal_order() if not n.base]
+        victims = [n for n in removable if n.lifecycle == "on-demand"][:extra_on_demand]
+        victims += [n for n in removable if n not in victims][
+            : max(0, len(alive) - grant.nodes - len(victims))
+        ]
+        if victims:
+            s.record(
+                self._now(),
+                "pool shrinks the job",
+                f"to {grant.nodes} node(s) ({grant.on_demand} on-demand) for pool {pool}",
+            )
+            await self._remove(victims, f"pool {pool} shrinks the job", "given back to the pool")
+        await self._reconcile_orders()
+
+    async def _report_to_pool(self) -> None:
+        """Tell the pool what the job claims and holds, whenever that changed."""
+        s = self._active_state()
+        if s.spec.pool is None:
+            return
+        report = self._pool_report()
+        figures = report.model_dump(exclude={"seq"})
+        if figures == self._reported:
+            return
+        s.pool_reports += 1
+        report.seq = s.pool_reports
+        pool = s.spec.pool.name
+        try:
+            await workflow.get_external_workflow_handle(pool_workflow_id(pool)).signal(
+                "report", report
+            )
+        except ApplicationError as err:
+            if report.claiming:
+                raise JobFailed(
+                    f"capacity pool {pool!r} cannot be reached ({err.message}): "
+                    f"create it with `spotrain pool create {pool}`"
+                ) from None
+        self._reported = figures
+
+    def _pool_report(self) -> PoolReport:
+        s = self._active_state()
+        spec, pool = s.spec, s.spec.pool
+        assert pool is not None
+        types = spec.spot.instance_types
+        on_demand_price = max(t.on_demand_price for t in types)
+        alive = [n for n in s.nodes if n.alive]
+        on_demand_cap = spec.elastic.max_nodes if spec.on_demand.fallback else 0
+        if spec.on_demand.max_nodes is not None:
+            on_demand_cap = min(on_demand_cap, spec.on_demand.max_nodes)
+        return PoolReport(
+            job=spec.name,
+            seq=0,
+            claiming=s.phase not in ("Paused", "Succeeded", "Failed", "Cancelled"),
+            priority=spec.priority,
+            team=pool.team,
+            preemptible=pool.preemptible,
+            min_nodes=max(spec.elastic.min_nodes, spec.on_demand.base_nodes),
+            max_nodes=s.ceiling,
+            gpus_per_node=self._need()[0]
+            if spec.total_gpus is None
+            else max(t.gpus for t in types),
+            spot_price=max(t.spot_price or t.on_demand_price for t in types),
+            on_demand_price=on_demand_price,
+            min_on_demand=spec.on_demand.base_nodes,
+            max_on_demand=max(spec.on_demand.base_nodes, on_demand_cap),
+            all_on_demand=not spec.spot.enabled,
+            progress=math.floor(20 * s.step / spec.total_steps) / 20,
+            holding=len(alive),
+            holding_on_demand=sum(n.lifecycle == "on-demand" for n in alive),
+            allowance=s.grant.nodes if s.grant else 0,
+            allowance_on_demand=s.grant.on_demand if s.grant else 0,
+            grant_seq=s.grant.seq if s.grant else 0,
+        )
 
     # --- nodes -------------------------------------------------------------------------------
 
@@ -669,7 +807,7 @@ class TrainingJob:
         if s.phase == "Paused":
             return
         alive = [n for n in s.nodes if n.alive]
-        short = s.target - len(alive)
+        short = s.allowed - len(alive)
         if short <= 0:
             return
         base_missing = max(0, s.spec.on_demand.base_nodes - sum(n.base for n in alive))
@@ -713,7 +851,11 @@ class TrainingJob:
             return 0
         cap = s.spec.on_demand.max_nodes
         used = sum(1 for n in s.nodes if n.alive and n.lifecycle == "on-demand" and not n.base)
-        return 10**6 if cap is None else max(0, cap - s.spec.on_demand.base_nodes - used)
+        room = 10**6 if cap is None else max(0, cap - s.spec.on_demand.base_nodes - used)
+        if s.spec.pool is not None:  # the pool's on-demand allowance counts the base too
+            used_all = sum(1 for n in s.nodes if n.alive and n.lifecycle == "on-demand")
+            room = min(room, max(0, (s.grant.on_demand if s.grant else 0) - used_all))
+        return room
 
     def _need(self) -> tuple[int, int]:
         """(GPUs, processes) of the next node ordered. With `total_gpus`, the first share of
@@ -978,6 +1120,7 @@ class TrainingJob:
         )
         s.record(self._now(), phase.lower(), s.failure or "")
         self._set_phase(phase)
+        await self._report_to_pool()  # leaves the pool: its share goes to the next job
         await workflow.wait_condition(workflow.all_handlers_finished)
 
     def _set_phase(self, phase: str) -> None:

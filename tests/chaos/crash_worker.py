@@ -35,8 +35,7 @@ from temporalio.worker import (
 
 from spotrain.activities import local
 from spotrain.workers.connect import connect
-from spotrain.workers.worker import build_activities, parser
-from spotrain.workflows.training_job import TrainingJob
+from spotrain.workers.worker import WORKFLOWS, build_activities, parser
 
 POINT = os.environ.get("CHAOS_CRASH", "")
 
@@ -101,7 +100,7 @@ async def main() -> None:
         async with Worker(
             client,
             task_queue=args.task_queue,
-            workflows=[TrainingJob],
+            workflows=WORKFLOWS,
             activities=activities,
             activity_executor=pool,
             interceptors=[CrashInterceptor()],
