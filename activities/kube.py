@@ -33,6 +33,7 @@ from kubernetes.client.exceptions import ApiException
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from spotrain.activities.notice import elastic_event_raised
 from spotrain.activities.store import JobStore
 from spotrain.activities.worker_env import rank_env
 from spotrain.workflows import contract
@@ -252,7 +253,8 @@ class KubeRuntime:
     def stop_generation(self, req: StopRequest) -> StopResult:
         """Pods on lost nodes (named in the request, or whose Node object is gone) go at once;
         if graceful, raise the elastic event on the others, wait up to `grace_s` for their
-        acks, then delete them with that grace period. Returns once the pods are gone."""
+        acks, then delete them with that grace period, all but Failed ones (kept for
+        debugging until cleanup). Returns once the pods are gone."""
         ns = self._ns(req.job)
         selector = _selector(req.job, req.generation)
         store = JobStore(req.checkpoint)
@@ -274,6 +276,7 @@ class KubeRuntime:
                     {"metadata": {"annotations": {CONTROL: STOP}}},
                     _content_type=MERGE_PATCH,
                 )
+            elastic_event_raised(req)
             ack_deadline = time.monotonic() + req.grace_s
             while not expected <= set(store.acked_ranks(req.generation)):
                 if time.monotonic() >= ack_deadline:
@@ -282,8 +285,16 @@ class KubeRuntime:
                 time.sleep(self.ack_poll_s)
         acked = store.acked_ranks(req.generation)
         grace = math.ceil(req.grace_s) if req.graceful else 0
-        self._delete_pods(ns, {p.metadata.name for p in rest}, grace_s=grace)
-        self._wait_pods(ns, selector, lambda pods: not pods or None, time.monotonic() + grace + 30)
+        # A Failed pod holds no resources and is what someone debugging the fault needs:
+        # it stays until cleanup_job (which keeps it too when the job's cleanup policy says so).
+        running = {p.metadata.name for p in rest if p.status.phase != "Failed"}
+        self._delete_pods(ns, running, grace_s=grace)
+        self._wait_pods(
+            ns,
+            selector,
+            lambda pods: all(p.status.phase == "Failed" for p in pods.values()) or None,
+            time.monotonic() + grace + 30,
+        )
         latest = store.latest_checkpoint()
         return StopResult(
             acked_ranks=acked,

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from temporalio import activity
 
 from spotrain.activities import worker_env
+from spotrain.activities.notice import elastic_event_raised
 from spotrain.activities.store import JobStore
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -241,6 +242,7 @@ class LocalRuntime:
         forced = self._kill(lost)
         if req.graceful and ranks:
             _write_atomic(self.control_file(req.job, req.generation), ELASTIC_EVENT)
+            elastic_event_raised(req)
             # Ranks ack once checkpointed, then exit 0: waiting for the exits covers both.
             self._wait(lambda: not any(r.alive() for r in ranks), req.grace_s)
         survivors = [r for r in ranks if r.alive()]
@@ -306,6 +308,22 @@ class LocalRuntime:
             self.cleanup_job,
         ]
 
+    def reap(
+        self, is_job_running: Callable[[str], bool], apply: bool = False
+    ) -> dict[str, list[int]]:
+        """Jobs under this state dir whose workflow no longer runs but whose rank processes
+        still do (a terminated workflow runs no cleanup): job -> pids. Only with `apply` are
+        they killed (their logs stay); the default is a dry run."""
+        orphans = {}
+        for job_dir in sorted((self.root / "jobs").glob("*")):
+            pids = job_processes(job_dir.name)
+            if pids and not is_job_running(job_dir.name):
+                orphans[job_dir.name] = pids
+        if apply:
+            for job in orphans:
+                self.cleanup_job(CleanupRequest(job=job, keep=True))
+        return orphans
+
     # --- for the spot simulator ----------------------------------------------------------
 
     def kill_node(self, job: str, node_id: str) -> list[int]:
@@ -317,15 +335,6 @@ class LocalRuntime:
                 if (r.record() or {}).get("node_id") == node_id and self._kill([r]):
                     killed.append(r.rank)
         return killed
-
-    def live_ranks(self, job: str) -> list[tuple[int, int]]:
-        """(generation, rank) of every process of the job still running: leak checks."""
-        return [
-            (generation, r.rank)
-            for generation in self._generations(job)
-            for r in self._ranks(job, generation)
-            if r.alive
-        ]
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -357,3 +366,21 @@ class LocalRuntime:
         killed = [r for r in ranks if r.signal(signal.SIGKILL, group=True)]
         self._wait(lambda: not any(r.alive() for r in killed), self.term_grace_s)
         return bool(killed)
+
+
+def job_processes(job: str) -> list[int]:
+    """Live processes whose environment names `job` (SPOTRAIN_JOB): every rank of every
+    generation, whether or not its pid file is still there. Leak checks use it."""
+    marker = f"SPOTRAIN_JOB={job}\0".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker in (proc / "environ").read_bytes():
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state not in ("Z", "X"):
+                    pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids

@@ -304,3 +304,37 @@ async def test_help_everywhere_has_examples(cli: Cli) -> None:
         assert r.code == 0 and "examples:" in r.out and "Exit codes" in r.out, (command, r)
     r = await cli("frobnicate")
     assert r.code == 2, r
+
+
+async def test_pool_create_status_set_and_a_pooled_job(cli: Cli, tmp_path: Path) -> None:
+    pool = f"pool-{uuid.uuid4().hex[:6]}"
+    r = await cli("pool", "create", pool, "--max-nodes", "3", "--team-budget", "vision=9.5")
+    assert r.code == 0, r
+    assert (await cli("pool", "create", pool)).code == 1  # one pool per name
+    r = await cli("pool", "set", pool, "--max-nodes", "x")
+    assert r.code == 2 and "invalid" in r.err, r
+    r = await cli("pool", "set", pool, "--max-gpus", "-1")
+    assert r.code == 2 and "max_gpus" in r.err and "Traceback" not in r.err, r
+
+    missing = fast_spec(pool={"name": "nowhere"})
+    r = await cli("submit", str(write(tmp_path, missing)))
+    assert r.code == 1 and "no capacity pool named 'nowhere'" in r.err, r
+
+    spec = fast_spec(total_steps=20_000, pool={"name": pool, "team": "vision"})
+    assert (await cli("submit", str(write(tmp_path, spec)))).code == 0
+    await cli.until(spec["name"], lambda s: s.phase == "Running" and s.world_size == 3)
+    r = await cli("pool", "status", pool, "--json")
+    status = r.json()
+    assert status["usage"]["nodes"] == 3 and status["config"]["max_nodes"] == 3, status
+    (job,) = status["jobs"]
+    assert (job["job"], job["granted"], job["state"]) == (spec["name"], 3, "running")
+
+    r = await cli("pool", "set", pool, "--max-nodes", "2")  # the job gives one back
+    assert r.code == 0 and "max nodes 2" in r.out, r
+    await cli.until(spec["name"], lambda s: s.phase == "Running" and s.world_size == 2)
+    r = await cli("pool", "status", pool)
+    assert r.code == 0 and spec["name"] in r.out and "team vision" in r.out, r
+    r = await cli("pool", "list", "--json")
+    assert pool in [p["name"] for p in r.json()], r
+    assert (await cli("cancel", spec["name"])).code == 0
+    assert (await cli("pool", "status", "nowhere")).code == 1

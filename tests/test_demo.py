@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spotrain.activities.local import LocalRuntime
+from spotrain.activities.local import LocalRuntime, job_processes
 from spotrain.workflows.contract import CleanupRequest
 
 pytest.importorskip("torch")
@@ -39,6 +39,9 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
             LocalRuntime(state).cleanup_job(CleanupRequest(job=job.name, keep=True))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "left running: 0 instance(s), 0 worker process(es)" in run.stdout
+    job = re.search(r"(demo-\d+): Succeeded", run.stdout)
+    assert job, run.stdout[-2000:]
+    assert job_processes(job.group(1)) == []  # /proc, not the demo's word for it
     assert re.search(r"reclaims survived\s*│\s*2\s", run.stdout), run.stdout[-2000:]
 
     gens = steps_by_generation(record)

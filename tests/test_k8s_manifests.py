@@ -99,8 +99,17 @@ def test_service_accounts_and_bindings_fit_together() -> None:
     }
     assert pod_specs["spotrain-worker"]["serviceAccountName"] in bound
     webhook = pod_specs["spotrain-webhook"]
-    assert webhook["serviceAccountName"] not in bound  # no Kubernetes API rights at all
-    assert webhook["automountServiceAccountToken"] is False
+    rights = {
+        (b["roleRef"]["name"], verb, resource)
+        for b in by_kind("ClusterRoleBinding") + by_kind("RoleBinding")
+        if any(s["name"] == webhook["serviceAccountName"] for s in b["subjects"])
+        for role in by_kind("ClusterRole") + by_kind("Role")
+        if role["metadata"]["name"] == b["roleRef"]["name"]
+        for rule in role["rules"]
+        for verb in rule["verbs"]
+        for resource in rule["resources"]
+    }
+    assert {(verb, resource) for _, verb, resource in rights} == {("get", "nodes")}
 
 
 def test_webhook_probes_hit_served_routes() -> None:
@@ -120,3 +129,20 @@ def test_no_secret_in_a_plain_env_value() -> None:
                 secretish = any(s in env["name"] for s in ("TOKEN", "SECRET", "KEY"))
                 if secretish and not env["name"].endswith("_FILE"):
                     assert "secretKeyRef" in env["valueFrom"], env["name"]
+
+
+def test_worker_deployment_runs_the_kubernetes_runtime_with_metrics() -> None:
+    """The Deployment's command is one `spotrain worker` accepts, with pods as workers (the
+    local runtime would start training inside the controller's own pod) and the metrics port
+    it exposes."""
+    from spotrain.workers.worker import parser
+
+    (deployment,) = (d for d in by_kind("Deployment") if d["metadata"]["name"] == "spotrain-worker")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["spotrain", "worker"]
+    args = parser().parse_args(container["args"][2:])
+    assert (args.runtime, args.provider) == ("kubernetes", "ec2")
+    port = int(args.metrics.rsplit(":", 1)[1])
+    assert {"name": "metrics", "containerPort": port} in container["ports"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)

@@ -404,6 +404,11 @@ def test_cleanup_deletes_the_job_or_keeps_failed_pods(
     other = plan_for(ckpt, nodes=1).model_copy(update={"job": "other"})
     run(runtime.start_generation, other)
     kube.finish_pod(NS, "mnist-g1-1", 1)
+    # The fault stops the generation: the failed pod outlives the stop, for debugging.
+    run(runtime.stop_generation, stop_request(ckpt, graceful=False))
+    left = sorted(p["metadata"]["name"] for p in kube.list("pods", NS))
+    assert left == ["mnist-g1-1", "other-g1-0"]
+    run(runtime.start_generation, plan_for(ckpt, generation=2, job_type="horovod"))
     run(runtime.cleanup_job, CleanupRequest(job=JOB, keep=keep))
     left = sorted(p["metadata"]["name"] for p in kube.list("pods", NS))
     assert left == (["mnist-g1-1", "other-g1-0"] if keep else ["other-g1-0"])

@@ -43,11 +43,18 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from spotrain.workers import webhook
-from spotrain.workers.webhook import SqsPoller, WebhookConfig, WebhookService
+from spotrain.workers.webhook import (
+    NodeNames,
+    SqsPoller,
+    WebhookConfig,
+    WebhookService,
+)
 from spotrain.workers.webhook_auth import AuthConfig, hmac_headers, sns_string_to_sign
 from spotrain.workers.webhook_events import PlainReclaim
 from spotrain.workflows import attributes
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
+
+from .kube_double import KubeDouble
 
 TOKEN = "test-token-not-a-secret"
 HMAC_SECRET = "test-hmac-secret"
@@ -196,13 +203,18 @@ class Webhook:
 
 
 @contextlib.asynccontextmanager
-async def running_webhook(client: Client, **config: Any) -> AsyncIterator[Webhook]:
+async def running_webhook(
+    client: Client, node_names: NodeNames | None = None, **config: Any
+) -> AsyncIterator[Webhook]:
     auth = AuthConfig(
         bearer_token=TOKEN, hmac_secret=HMAC_SECRET, sns_topic_arns=frozenset([TOPIC])
     )
     sns = FakeSnsHost()
     service = WebhookService(
-        client, WebhookConfig(auth=auth, host="127.0.0.1", port=0, **config), http_get=sns.get
+        client,
+        WebhookConfig(auth=auth, host="127.0.0.1", port=0, **config),
+        http_get=sns.get,
+        node_names=node_names,
     )
     port = await service.start()
     async with aiohttp.ClientSession() as http:
@@ -295,6 +307,36 @@ async def test_each_event_kind_signals_its_job_once(hook: Webhook, jobs: Jobs) -
 
 async def _has(handle: WorkflowHandle[Any, Any], count: int) -> bool:
     return len(await received(handle)) >= count
+
+
+async def test_kubernetes_node_names_resolve_to_instances(
+    dev_env: WorkflowEnvironment, jobs: Jobs
+) -> None:
+    """EKS names nodes by private DNS name: with SPOTRAIN_WEBHOOK_KUBE_NODES the webhook asks
+    the Kubernetes API (here the in-process double of tests/kube_double.py: no kube-apiserver
+    runs on these machines) for the node's providerID and signals the instance's job."""
+    kube = KubeDouble()
+    with kube.serve():
+        kube.add_node("ip-10-0-9-9.ec2.internal", "i-0ddd1")
+        job = await jobs.start("i-0ddd1")
+        async with running_webhook(dev_env.client, NodeNames(kube.api_client())) as webhook:
+            notice = {
+                "event_id": "k-9",
+                "kind": "SPOT_ITN",
+                "node_name": "ip-10-0-9-9.ec2.internal",
+            }
+            assert await webhook.post("/v1/events/kubernetes", notice) == (
+                200,
+                {"status": "signalled", "workflow_ids": [job.id]},
+            )
+            stranger = notice | {"event_id": "k-10", "node_name": "ip-10-0-0-99.ec2.internal"}
+            assert await webhook.post("/v1/events/kubernetes", stranger) == (
+                202,
+                {"status": "unknown_instance"},
+            )
+    await eventually(lambda: _has(job, 1))
+    (signal,) = await received(job)
+    assert (signal["node_id"], signal["event_id"]) == ("i-0ddd1", "k-9")
 
 
 async def test_unknown_instances_and_kinds_are_acknowledged(hook: Webhook) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from temporalio.testing import WorkflowEnvironment
 
 from .jobs import job_spec, simulated
@@ -46,3 +48,42 @@ async def test_total_gpus_are_packed_onto_node_shapes(ts_env: WorkflowEnvironmen
     started = next(e for e in result.timeline if e.event == "generation started")
     assert "world size 15" in started.detail
     assert result.steps_done == 3_600
+
+
+async def test_thirty_day_job_with_500_reclaims_stays_under_10k_events_per_run(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """A month of training with a reclaim notice every 86 minutes, each node replaced: the
+    job continues as new before any run reaches 10,000 events, carries its books across, and
+    launches exactly one replacement per reclaim."""
+    reclaims, month_s = 500, 30 * 24 * 3600
+    hourly = {"progress_report_interval_s": 3600, "capacity_check_interval_s": 3600}
+    spec = job_spec(total_steps=10**9, elastic=hourly)
+    async with simulated(ts_env.client) as sim:
+        handle = await sim.start(spec)
+        for i in range(reclaims):
+            await ts_env.sleep(month_s / reclaims)
+            status = await sim.status(handle)
+            ranked = sorted((n for n in status.nodes if n.rank is not None), key=lambda n: n.slot)
+            victim = ranked[i % len(ranked)].node_id
+            deadline = await ts_env.get_current_time() + timedelta(seconds=120)
+            notice = {"node_id": victim, "deadline": deadline.isoformat(), "event_id": f"r{i}"}
+            await handle.signal("reclaim", notice)
+        await ts_env.sleep(month_s / reclaims)
+        status = await sim.status(handle)
+        await handle.cancel()
+        lengths = []  # events per run, newest first, following the continue-as-new chain
+        run_id: str | None = None
+        while True:
+            run = ts_env.client.get_workflow_handle(handle.id, run_id=run_id)
+            events = (await run.fetch_history()).events
+            lengths.append(len(events))
+            started = events[0].workflow_execution_started_event_attributes
+            run_id = started.continued_execution_run_id
+            if not run_id:
+                break
+    assert status.reclaims == reclaims and status.phase == "Running" and status.world_size == 4
+    assert len(lengths) > 1 and max(lengths) < 10_000, lengths
+    assert len(sim.cloud.launches) == 4 + reclaims
+    assert status.node_hours["spot"] > 0.95 * 4 * 30 * 24  # a month of 4 nodes, books carried
+    assert sim.cloud.running() == []

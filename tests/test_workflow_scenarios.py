@@ -89,7 +89,7 @@ async def test_replacement_falls_back_to_on_demand_then_returns_to_spot(
     spot = {"n": 1000}
     cloud = SimulatedCloud(zones=["us-east-1a"], capacity=lambda _t, _z, _w: spot["n"])
     async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
-        handle = await sim.start(fast_spec(total_steps=2000, spot=ONE_ZONE))
+        handle = await sim.start(fast_spec(total_steps=10**6, spot=ONE_ZONE))
         before = await until(sim, handle, running_at(4))
         spot["n"] = 3  # the pool now holds only the 3 survivors
         victim = members(before)[3]
@@ -109,10 +109,11 @@ async def test_replacement_falls_back_to_on_demand_then_returns_to_spot(
             return running_at(4)(s) and all(n.lifecycle == "spot" for n in ready)
 
         swapped = await until(sim, handle, all_spot)
-        result = await handle.result()
+        await handle.cancel()
+        await until(sim, handle, lambda s: s.phase == "Cancelled")
     assert fallback.generation < swapped.generation
-    assert result.cost["on-demand"] > 0
-    assert any(e.event == "node ready" and "on-demand" in e.detail for e in result.timeline)
+    assert swapped.cost["on-demand"] > 0
+    assert any(e.event == "node ready" and "on-demand" in e.detail for e in swapped.timeline)
     assert sim.cloud.running() == []
 
 
@@ -150,7 +151,7 @@ async def test_discrete_sizes_only(dev_env: WorkflowEnvironment) -> None:
 
 async def test_scale_in_by_name_and_by_count_then_out(dev_env: WorkflowEnvironment) -> None:
     async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
-        handle = await sim.start(fast_spec(total_steps=1500, elastic={"min_nodes": 1}))
+        handle = await sim.start(fast_spec(total_steps=1000, elastic={"min_nodes": 1}))
         named = members(await until(sim, handle, running_at(4)))[1]
         await handle.execute_update("scale_in", {"node_ids": [named]})
         after_named = await until(sim, handle, running_at(3))
@@ -304,44 +305,3 @@ async def test_duplicate_running_name_is_rejected(dev_env: WorkflowEnvironment) 
         with pytest.raises(WorkflowAlreadyStartedError):
             await sim.start(spec)
         await handle.cancel()
-
-
-async def test_many_reclaims_continue_as_new_with_bounded_history_and_state(
-    dev_env: WorkflowEnvironment,
-) -> None:
-    """A long job: 100 reclaims with notice, each replaced. The dev server suggests
-    continue-as-new every 200 events; every run stays small, and ended nodes are folded into
-    totals instead of piling up in the carried state."""
-    reclaims = 100
-    spec = fast_spec(total_steps=10**6, elastic={"scaling_timeout_s": 0})
-    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
-        handle = await sim.start(spec)
-        for i in range(reclaims):
-            status = await until(sim, handle, running_at(4), timeout=60)
-            await handle.signal(
-                "reclaim",
-                {
-                    "node_id": members(status)[i % 4],
-                    "deadline": in_seconds(120),
-                    "event_id": f"r{i}",
-                },
-            )
-            await until(sim, handle, lambda s, n=i + 1: s.reclaims >= n, timeout=60)
-        status = await until(sim, handle, running_at(4), timeout=60)
-        await handle.cancel()
-        runs = [r async for r in dev_env.client.list_workflows(f"WorkflowId = '{handle.id}'")]
-        lengths = [
-            len(
-                (
-                    await dev_env.client.get_workflow_handle(
-                        handle.id, run_id=r.run_id
-                    ).fetch_history()
-                ).events
-            )
-            for r in runs
-        ]
-    assert status.reclaims == reclaims
-    assert len(runs) > 5 and max(lengths) < 10_000, lengths
-    assert len(status.nodes) <= 4 + 2 * 20  # live nodes plus those ended within the run
-    assert len(sim.cloud.launches) == 4 + reclaims  # one replacement per reclaim, no more
-    assert sim.cloud.running() == []

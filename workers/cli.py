@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import yaml
+from pydantic import ValidationError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -46,7 +47,8 @@ from spotrain.workers.connect import TASK_QUEUE, connect
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
 from spotrain.workflows import attributes
 from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut
-from spotrain.workflows.spec import SpecError, parse_spec
+from spotrain.workflows.pool import PoolConfig, PoolStatus, pool_workflow_id
+from spotrain.workflows.spec import SpecError, describe_errors, parse_spec
 from spotrain.workflows.state import JobResult, JobStatus, Phase
 
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
@@ -186,6 +188,11 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec(args.file)
     name = spec["name"]
     c = await client()
+    pool = (spec.get("pool") or {}).get("name")
+    if pool and not await pool_running(c, pool):
+        raise CliError(
+            f"{args.file}: no capacity pool named {pool!r} runs: `spotrain pool create {pool}`"
+        )
     try:
         handle = await c.start_workflow(
             "TrainingJob",
@@ -383,9 +390,12 @@ async def cmd_reclaim(args: argparse.Namespace) -> int:
 
 
 async def cmd_gc(args: argparse.Namespace) -> int:
-    """Orphaned instances: a job counts as running unless Temporal says otherwise, and an
-    unreachable Temporal stops gc before anything is reaped."""
+    """What terminated jobs left: EC2 instances (by their tags) and the local runtime's rank
+    processes (by its state dir). A job counts as running unless Temporal says otherwise, and
+    an unreachable Temporal stops gc before anything is reaped."""
     from spotrain.activities.ec2 import EC2Provider, reap
+    from spotrain.activities.local import LocalRuntime
+    from spotrain.workers.worker import DEFAULT_STATE_DIR
 
     c = await client()
     loop = asyncio.get_running_loop()
@@ -400,8 +410,10 @@ async def cmd_gc(args: argparse.Namespace) -> int:
             raise
 
     ec2 = EC2Provider.from_env().client(args.region)
+    local = LocalRuntime(args.state_dir or DEFAULT_STATE_DIR)
     try:
         orphans = await asyncio.to_thread(reap, ec2, job_running, args.apply)
+        processes = await asyncio.to_thread(local.reap, job_running, args.apply)
     except RPCError as e:
         raise rpc_error(e, None) from None
     rows = [
@@ -415,14 +427,18 @@ async def cmd_gc(args: argparse.Namespace) -> int:
         }
         for o in orphans
     ]
+    procs = [{"job": job, "pids": pids} for job, pids in processes.items()]
     if args.json:
-        emit_json({"applied": args.apply, "orphans": rows})
+        emit_json({"applied": args.apply, "orphans": rows, "processes": procs})
         return OK
-    title = "terminated" if args.apply else "orphans (dry run: --apply to terminate)"
-    table = Table("instance", "job", "state", "type", "zone", "launched", title=title)
+    verb = "terminated" if args.apply else "orphans (dry run: --apply to reap)"
+    table = Table("instance", "job", "state", "type", "zone", "launched", title=verb)
     for r in rows:
         table.add_row(*(str(v) for v in r.values()))
     out.print(table if rows else "no orphaned instances")
+    for p in procs:
+        pids = ", ".join(map(str, p["pids"]))
+        out.print(f"{'killed' if args.apply else 'orphaned'} rank processes of {p['job']}: {pids}")
     return OK
 
 
@@ -464,6 +480,150 @@ async def cmd_report(args: argparse.Namespace) -> int:
     return OK
 
 
+# --- capacity pools --------------------------------------------------------------------------
+
+POOL_LIMITS = {
+    "max_nodes": int,
+    "max_gpus": int,
+    "max_on_demand_nodes": int,
+    "max_cost_per_hour": float,
+}
+
+
+def pool_config(args: argparse.Namespace, base: dict[str, Any]) -> PoolConfig:
+    """`base` (the pool's current settings) with the limits given on the command line."""
+    config = dict(base, name=args.name)
+    for field in POOL_LIMITS:
+        value = getattr(args, field)
+        if value is not None:
+            config[field] = None if value == "none" else value
+    if args.team_budget:
+        config["team_budgets"] = {**config.get("team_budgets", {}), **dict(args.team_budget)}
+    try:
+        return PoolConfig.model_validate(config)
+    except ValidationError as e:
+        raise CliError(describe_errors(e, "pool settings"), USAGE) from None
+
+
+async def pool_running(c: Client, name: str) -> bool:
+    try:
+        return await is_running(c.get_workflow_handle(pool_workflow_id(name)))
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+
+
+async def pool_handle(name: str) -> WorkflowHandle[Any, Any]:
+    return (await client()).get_workflow_handle(pool_workflow_id(name))
+
+
+async def query_pool(name: str) -> PoolStatus:
+    handle = await pool_handle(name)
+    try:
+        return await handle.query("status", result_type=PoolStatus, rpc_timeout=RPC_TIMEOUT)
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            raise CliError(
+                f"no capacity pool named {name!r}: `spotrain pool create {name}`"
+            ) from None
+        raise
+    except WorkflowQueryFailedError as e:
+        raise CliError(f"pool {name!r} cannot answer `status`: {e.message}") from None
+
+
+async def cmd_pool_create(args: argparse.Namespace) -> int:
+    config = pool_config(args, {})
+    c = await client()
+    try:
+        await c.start_workflow(
+            "CapacityPool",
+            config,
+            id=pool_workflow_id(config.name),
+            task_queue=args.task_queue,
+            static_summary=f"capacity pool {config.name}",
+        )
+    except WorkflowAlreadyStartedError:
+        raise CliError(
+            f"a pool named {config.name!r} already runs: change it with `spotrain pool set`"
+        ) from None
+    out.print(f"pool {config.name} created on task queue {args.task_queue}")
+    return OK
+
+
+async def cmd_pool_set(args: argparse.Namespace) -> int:
+    current = await query_pool(args.name)
+    config = pool_config(args, current.config.model_dump())
+    handle = await pool_handle(args.name)
+    try:
+        message = await handle.execute_update("configure", config, result_type=str)
+    except WorkflowUpdateFailedError as e:
+        raise CliError(f"configure rejected: {e.cause}") from None
+    out.print(message)
+    return OK
+
+
+def pool_view(p: PoolStatus) -> Group:
+    c = p.config
+    limits = Table("", "in use", "limit", "peak", title=f"pool {c.name}")
+    rows = [
+        ("nodes", "nodes", c.max_nodes),
+        ("GPUs", "gpus", c.max_gpus),
+        ("on-demand nodes", "on_demand", c.max_on_demand_nodes),
+        ("USD per hour", "cost_per_hour", c.max_cost_per_hour),
+    ]
+    for label, key, limit in rows:
+        limits.add_row(
+            label,
+            f"{p.usage.get(key, 0):g}",
+            "-" if limit is None else f"{limit:g}",
+            f"{p.peak.get(key, 0):g}",
+        )
+    for team, cap in sorted(c.team_budgets.items()):
+        limits.add_row(f"team {team} USD/h", "", f"{cap:g}", "")
+    jobs = Table("job", "state", "priority", "team", "min..max", "granted", "holding", "progress")
+    for j in p.jobs:
+        jobs.add_row(
+            j.job,
+            j.state,
+            str(j.priority),
+            j.team or "-",
+            f"{j.min_nodes}..{j.max_nodes}",
+            f"{j.granted} ({j.granted_on_demand} od)",
+            f"{j.holding} ({j.holding_on_demand} od)",
+            f"{j.progress:.0%}",
+        )
+    recent = "\n".join(f"{e.time:%H:%M:%S} {e.event:<10} {e.detail}" for e in p.timeline[-8:])
+    return Group(limits, jobs if p.jobs else "no jobs", recent)
+
+
+async def cmd_pool_status(args: argparse.Namespace) -> int:
+    p = await query_pool(args.name)
+    emit_json(p.model_dump(mode="json")) if args.json else out.print(pool_view(p))
+    return OK
+
+
+async def cmd_pool_list(args: argparse.Namespace) -> int:
+    query = "WorkflowType = 'CapacityPool' AND ExecutionStatus = 'Running'"
+    rows = []
+    async for wf in (await client()).list_workflows(query):
+        rows.append(
+            {
+                "name": wf.id.removeprefix("pool:"),
+                "task_queue": wf.task_queue,
+                "started": wf.start_time.isoformat(),
+            }
+        )
+    if args.json:
+        emit_json(rows)
+        return OK
+    table = Table("pool", "task queue", "started")
+    for r in rows:
+        table.add_row(r["name"], r["task_queue"], r["started"][:19])
+    out.print(table if rows else "no capacity pools")
+    return OK
+
+
 # --- argument parsing ----------------------------------------------------------------------
 
 Command = Callable[[argparse.Namespace], Awaitable[int]]
@@ -479,6 +639,14 @@ CONNECTION = (
     "Exit codes: 0 ok, 1 failed or rejected, 2 bad usage or invalid input, "
     "3 Temporal unreachable."
 )
+
+
+def team_budget(text: str) -> tuple[str, float]:
+    team, _, value = text.partition("=")
+    try:
+        return team, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TEAM=USD_PER_HOUR, got {text!r}") from None
 
 
 def positive(text: str) -> int:
@@ -579,11 +747,12 @@ def parser() -> argparse.ArgumentParser:
     c = command(
         "gc",
         cmd_gc,
-        "find (and with --apply terminate) instances whose job is not running",
+        "find (and with --apply reap) instances and local rank processes whose job is not running",
         "  spotrain gc\n  spotrain gc --apply --region eu-west-1",
     )
     c.add_argument("--apply", action="store_true", help="terminate (default: dry run)")
     c.add_argument("--region", default=None)
+    c.add_argument("--state-dir", type=Path, help="local runtime's (default ~/.spotrain)")
     c.add_argument("--json", action="store_true")
 
     c = named(
@@ -605,6 +774,53 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--plot", type=Path, metavar="FILE.png", help="draw it (needs matplotlib)")
     c.add_argument("--html", type=Path, metavar="FILE", help="a shareable page")
+    c.add_argument("--json", action="store_true")
+
+    pool = sub.add_parser(
+        "pool",
+        help="capacity pools: shared quotas, priorities, queueing and budgets",
+        description="A pool shares a quota of nodes, GPUs and USD/h among the jobs that name "
+        "it in their spec (pool: {name: ...}): higher priority first, FIFO within a priority, "
+        "lower-priority elastic jobs shrink gracefully to make room.",
+        epilog="examples:\n  spotrain pool create gpus --max-nodes 16 --team-budget vision=20\n"
+        "  spotrain pool status gpus\n  spotrain pool set gpus --max-nodes 24\n\n" + CONNECTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pools = pool.add_subparsers(dest="pool_command", required=True, metavar="SUBCOMMAND")
+
+    def pool_command(name: str, func: Command, help: str) -> argparse.ArgumentParser:
+        c = pools.add_parser(name, help=help, description=help, epilog=CONNECTION)
+        c.set_defaults(func=func)
+        return c
+
+    def limits(c: argparse.ArgumentParser) -> None:
+        c.add_argument("name", help="pool name (jobs name it in spec.pool.name)")
+        for field, kind in POOL_LIMITS.items():
+            c.add_argument(
+                "--" + field.replace("_", "-"),
+                dest=field,
+                type=lambda text, kind=kind: text if text == "none" else kind(text),
+                metavar="N|none",
+                help="'none' lifts the limit",
+            )
+        c.add_argument(
+            "--team-budget",
+            action="append",
+            type=team_budget,
+            metavar="TEAM=USD_PER_HOUR",
+            help="cap a team's growth (repeatable)",
+        )
+
+    c = pool_command("create", cmd_pool_create, "start a capacity pool with its limits")
+    limits(c)
+    c.add_argument(
+        "--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE), metavar="Q"
+    )
+    limits(pool_command("set", cmd_pool_set, "change a pool's limits (others are kept)"))
+    c = pool_command("status", cmd_pool_status, "usage against limits, and the pool's jobs")
+    c.add_argument("name")
+    c.add_argument("--json", action="store_true")
+    c = pool_command("list", cmd_pool_list, "running capacity pools")
     c.add_argument("--json", action="store_true")
 
     for name, (_, help) in DELEGATED.items():

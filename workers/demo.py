@@ -22,6 +22,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from spotrain.activities.local import job_processes
 from spotrain.workers.stack import Stack, StackConfig
 from spotrain.workflows.state import JobResult, JobStatus
 
@@ -146,7 +147,7 @@ async def run(args: argparse.Namespace) -> int:
             task.cancel()
         console.print(summary(result, time.monotonic() - started))
         left = stack.running_instances()
-        procs = stack.runtime.live_ranks(spec["name"])
+        procs = job_processes(spec["name"])
         console.print(f"left running: {len(left)} instance(s), {len(procs)} worker process(es)")
         return 0 if result.phase == "Succeeded" and not left and not procs else 1
 

@@ -30,6 +30,9 @@ from typing import Any
 import aiohttp
 import boto3
 from aiohttp import web
+from kubernetes import client as kube_client
+from kubernetes import config as kube_config
+from kubernetes.client.exceptions import ApiException
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import (
     GetSystemInfoRequest,
@@ -39,6 +42,7 @@ from temporalio.api.workflowservice.v1 import (
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
+from spotrain.activities import kube
 from spotrain.workers.connect import connect
 from spotrain.workers.webhook_auth import AuthConfig, SnsVerifier, check_headers, is_sns_url
 from spotrain.workers.webhook_events import (
@@ -76,6 +80,7 @@ class WebhookConfig:
     region: str = "us-east-1"
     poll_wait_s: int = 10
     visibility_timeout_s: int = 30
+    kube_nodes: bool = False  # resolve Kubernetes node names through the API (providerID)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WebhookConfig:
@@ -87,6 +92,7 @@ class WebhookConfig:
             queue_url=env.get("SPOTRAIN_WEBHOOK_QUEUE_URL") or None,
             sqs_endpoint_url=env.get("SPOTRAIN_WEBHOOK_SQS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),
+            kube_nodes=env.get("SPOTRAIN_WEBHOOK_KUBE_NODES", "") not in ("", "0", "false"),
         )
 
 
@@ -140,13 +146,49 @@ class Metrics:
 # --- instance id -> job workflow -> signal ---------------------------------------------------
 
 
+class NodeNames:
+    """Kubernetes node name -> EC2 instance id (the node's providerID or instance-id label),
+    for notices that name a node the way the cluster does (EKS: `ip-10-0-1-2.ec2.internal`).
+    Names are cached: a node keeps its instance for life."""
+
+    def __init__(self, api_client: kube_client.ApiClient | None = None) -> None:
+        if api_client is None:
+            try:
+                kube_config.load_incluster_config()
+            except kube_config.ConfigException:
+                kube_config.load_kube_config()
+        self._core = kube_client.CoreV1Api(api_client)
+        self._known: dict[str, str] = {}
+
+    async def instance_id(self, name: str) -> str | None:
+        if name not in self._known:
+            try:
+                node = await asyncio.to_thread(self._core.read_node, name)
+            except ApiException as err:
+                if err.status == 404:
+                    return None
+                raise
+            found = kube.instance_id(node)
+            if found is None:
+                return None
+            self._known[name] = found
+        return self._known[name]
+
+
 class Dispatcher:
     """Finds the running job workflow(s) that own a node and signals them."""
 
-    def __init__(self, client: Client, metrics: Metrics, rpc_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        client: Client,
+        metrics: Metrics,
+        rpc_timeout_s: float = 5.0,
+        node_names: NodeNames | None = None,
+    ) -> None:
         self._client = client
         self._metrics = metrics
         self._timeout = timedelta(seconds=rpc_timeout_s)
+        self._node_names = node_names
 
     async def deliver(self, outcome: Outcome, source: str, started: float) -> list[str]:
         """Signal every running workflow owning the node; returns their ids ([] if none).
@@ -165,6 +207,12 @@ class Dispatcher:
         }
         try:
             workflow_ids = await self._owners(outcome.node_id)
+            if not workflow_ids and self._node_names is not None:
+                instance = await self._node_names.instance_id(outcome.node_id)
+                if instance and instance != outcome.node_id:
+                    outcome = outcome.model_copy(update={"node_id": instance})
+                    fields["node_id"] = f"{instance} (node {fields['node_id']})"
+                    workflow_ids = await self._owners(instance)
             if not workflow_ids:
                 _log(logging.INFO, "unknown_instance", **fields)
             signalled = [w for w in workflow_ids if await self._signal(w, signal, outcome)]
@@ -298,11 +346,14 @@ class WebhookService:
         client: Client,
         config: WebhookConfig,
         http_get: Callable[[str], Awaitable[bytes]] | None = None,
+        node_names: NodeNames | None = None,
     ) -> None:
         self.client = client
         self.config = config
         self.metrics = Metrics()
-        self.dispatcher = Dispatcher(client, self.metrics, config.rpc_timeout_s)
+        if node_names is None and config.kube_nodes:
+            node_names = NodeNames()
+        self.dispatcher = Dispatcher(client, self.metrics, config.rpc_timeout_s, node_names)
         self._http_get = http_get or self._aiohttp_get
         self._sns = SnsVerifier(config.auth.sns_topic_arns, self._http_get)
         self._session: aiohttp.ClientSession | None = None
@@ -470,7 +521,8 @@ def main(argv: list[str] | None = None) -> None:
         description="Serve the reclaim webhook: cloud interruption events to workflow signals.",
         epilog="Configured by environment: SPOTRAIN_WEBHOOK_PORT (8080), SPOTRAIN_WEBHOOK_HOST, "
         "SPOTRAIN_WEBHOOK_TOKEN[_FILE], SPOTRAIN_WEBHOOK_HMAC_SECRET[_FILE], "
-        "SPOTRAIN_WEBHOOK_SNS_TOPIC_ARNS, SPOTRAIN_WEBHOOK_QUEUE_URL (SQS mode); Temporal: "
+        "SPOTRAIN_WEBHOOK_SNS_TOPIC_ARNS, SPOTRAIN_WEBHOOK_QUEUE_URL (SQS mode), "
+        "SPOTRAIN_WEBHOOK_KUBE_NODES=1 (resolve node names through the Kubernetes API); Temporal: "
         "TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY. See docs/webhook.md.",
     ).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

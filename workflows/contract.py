@@ -190,6 +190,9 @@ class StopRequest(Message):
     graceful: bool
     grace_s: float
     lost_node_ids: list[str] = Field(default_factory=list)
+    notice_at: datetime | None = Field(
+        None, description="when the workflow acted on the reclaim notice behind this stop"
+    )
 
 
 class StopResult(Message):

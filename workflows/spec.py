@@ -202,14 +202,14 @@ class SpecError(ValueError):
     """A job spec that does not validate; the message lists every bad field."""
 
 
-def describe_errors(err: ValidationError) -> str:
+def describe_errors(err: ValidationError, what: str = "job spec") -> str:
     """Field-named, one line per problem: `elastic.min_nodes: ...`."""
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(spec)"
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"{where}: {msg}")
-    return "invalid job spec:\n  " + "\n  ".join(lines)
+    return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 
 def parse_spec(data: Any) -> JobSpec:

@@ -78,6 +78,10 @@ HISTORY_EVENTS_BEFORE_CONTINUE = 8000
 # A dead worker's attempt is retried when its heartbeat (or a quick call's deadline) lapses:
 # these bound how long a controller crash can stall a job. Activities heartbeat every <= 5 s.
 HEARTBEAT = timedelta(seconds=20)
+# The shortest timer the main loop sets. Finer timing buys nothing (a workflow task takes
+# about that long), and a timer that fires within a task's round trip races its own
+# cancellation (which the time-skipping test server mishandles: sdk-java#3088).
+SHORTEST_WAIT_S = 0.1
 QUICK_CALL = timedelta(seconds=30)
 QUICK = RetryPolicy(maximum_attempts=5, maximum_interval=timedelta(seconds=10))
 PERSISTENT = RetryPolicy(maximum_interval=timedelta(seconds=30))
@@ -114,6 +118,7 @@ class TrainingJob:
         self._changes = 0
         self._published: tuple[Any, ...] | None = None
         self._reported: dict[str, Any] | None = None
+        self._fatal: str | None = None  # a launch failed for good (credentials, bad type)
 
     # --- the public interface ----------------------------------------------------------------
 
@@ -281,6 +286,8 @@ class TrainingJob:
         if not s.nodes:
             await self._reconcile_orders()
         while True:
+            if self._fatal:
+                raise JobFailed(self._fatal)
             await self._handle_inbox()
             await self._report_to_pool()
             if s.phase in ("Paused", "Queued"):
@@ -293,7 +300,13 @@ class TrainingJob:
                 await self._start_generation_when_ready()
             if s.next_check is None or self._now() >= s.next_check:
                 await self._periodic_checks()
-            if s.running and self._history_is_long() and not self._launches:
+            if (
+                self._history_is_long()
+                and not self._launches
+                # (before the patch, only a running job continued as new: one short of
+                # nodes for long kept growing its history)
+                and (s.running or workflow.patched("continue-as-new-when-not-running"))
+            ):
                 self._cancel_watch()
                 return True
 
@@ -303,8 +316,11 @@ class TrainingJob:
             info.get_current_history_length() > HISTORY_EVENTS_BEFORE_CONTINUE
         )
 
-    async def _wait(self, seconds: float | None, ready: Callable[[], bool] = lambda: False) -> None:
-        """Wait until an event is queued, nodes change, `ready()` holds, or `seconds` pass."""
+    async def _wait(
+        self, seconds: float | None, why: str, ready: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Wait until an event is queued, nodes change, `ready()` holds, or `seconds` pass;
+        `why` names the timer in the Web UI."""
         s = self._active_state()
         changes = self._changes
         if seconds is not None and seconds <= 0:
@@ -313,7 +329,9 @@ class TrainingJob:
             return
         with contextlib.suppress(TimeoutError):
             await workflow.wait_condition(
-                lambda: bool(s.inbox) or self._changes != changes or ready(), timeout=seconds
+                lambda: bool(s.inbox) or self._changes != changes or ready(),
+                timeout=None if seconds is None else max(seconds, SHORTEST_WAIT_S),
+                timeout_summary=why,
             )
 
     def _seconds_until(self, when: datetime | None) -> float | None:
@@ -329,9 +347,17 @@ class TrainingJob:
             self._start_watch()
         watch = self._watch
         # A runtime that answers early is not polled again before the report interval is up.
-        wake = [s.next_check, self._growth_at(), None if watch else self._next_watch]
-        soonest = min((w for w in wake if w is not None), default=None)
-        await self._wait(self._seconds_until(soonest), watch.done if watch else lambda: False)
+        wake = {
+            "next capacity check": s.next_check,
+            "grow once the scaling timeout has passed": self._growth_at(),
+            "next progress report": None if watch else self._next_watch,
+        }
+        soonest = min(((w, why) for why, w in wake.items() if w is not None), default=None)
+        await self._wait(
+            self._seconds_until(soonest[0]) if soonest else None,
+            soonest[1] if soonest else "",
+            watch.done if watch else lambda: False,
+        )
         growth_at = self._growth_at()
         if growth_at is not None and self._now() >= growth_at:
             await self._resize(graceful=True, reason="grow", detail=self._growth_detail())
@@ -400,7 +426,13 @@ class TrainingJob:
             self._watch = None
 
     async def _stop(
-        self, *, graceful: bool, grace: float, lost: list[str], reason: str
+        self,
+        *,
+        graceful: bool,
+        grace: float,
+        lost: list[str],
+        reason: str,
+        notice_at: datetime | None = None,
     ) -> StopResult:
         """End the running generation; afterwards the job resumes from the latest checkpoint."""
         s = self._active_state()
@@ -416,6 +448,7 @@ class TrainingJob:
                 graceful=graceful,
                 grace_s=grace,
                 lost_node_ids=lost,
+                notice_at=notice_at,
             ),
             result_type=StopResult,
             start_to_close_timeout=timedelta(seconds=grace + 120),
@@ -459,6 +492,8 @@ class TrainingJob:
         await self._stop(
             graceful=False, grace=0, lost=[i.node_id for i in gone], reason=f"fault: {detail}"
         )
+        if gone:
+            self._hold_for_replacement()
         for info in gone:
             node = s.node_by_id(info.node_id)
             if node is not None:
@@ -487,12 +522,17 @@ class TrainingJob:
             # (after a fault, `_on_lost` set the hold: wait that long for a replacement)
             if s.hold_until is not None and now < s.hold_until:
                 await self._wait(
-                    self._seconds_until(min(s.hold_until, s.next_check or s.hold_until))
+                    self._seconds_until(min(s.hold_until, s.next_check or s.hold_until)),
+                    "gang start: the other nodes ordered may still arrive"
+                    if s.generation == 0
+                    else "a replacement may still arrive (faulty_scale_down_timeout_s)",
                 )
                 return
         if size is None:
             self._set_phase("Pending" if s.generation == 0 else "Resizing")
-            await self._wait(self._seconds_until(s.next_check))
+            await self._wait(
+                self._seconds_until(s.next_check), "too few nodes ready: next capacity check"
+            )
             return
         s.hold_until = None
         candidates = [planner.Candidate(n.slot, n.lifecycle, n.base) for n in ready]
@@ -505,6 +545,7 @@ class TrainingJob:
         s.generation += 1
         s.members = members
         s.generation_checkpoint = s.checkpoint_step
+        world = sum(n.procs for n in s.member_nodes)
         plan = GenerationPlan(
             job=s.spec.name,
             generation=s.generation,
@@ -517,7 +558,7 @@ class TrainingJob:
             image=s.spec.image,
             job_type=s.spec.type,
             checkpoint=s.spec.checkpoint,
-            scale_config={str(k): v for k, v in s.spec.scale_config.get(len(members), {}).items()},
+            scale_config={str(k): v for k, v in s.spec.scale_config.get(world, {}).items()},
             global_batch_size=s.spec.global_batch_size,
             total_steps=s.spec.total_steps,
             gpus_per_proc=1 if (s.spec.gpus_per_node or s.spec.total_gpus) else 0,
@@ -533,7 +574,10 @@ class TrainingJob:
             )
         except ActivityError as err:
             s.running = True  # started in part: stop what is there as a fault
-            await self._fault(f"generation {s.generation} failed to start: {err.cause}")
+            detail = f"generation {s.generation} failed to start: {err.cause}"
+            await self._fault(detail)
+            if _error_type(err) == CONFIG_ERROR:  # no image, no permission: retrying won't help
+                raise JobFailed(detail) from None
             return
         s.running = True
         s.progress_at = self._now()
@@ -621,7 +665,13 @@ class TrainingJob:
                 s.inbox.remove(other)
         s.resizes += 1
         names = ", ".join(n.node_id or "" for n in leaving)
-        await self._stop(graceful=True, grace=grace, lost=[], reason=f"reclaim notice for {names}")
+        await self._stop(
+            graceful=True,
+            grace=grace,
+            lost=[],
+            reason=f"reclaim notice for {names}",
+            notice_at=self._now(),
+        )
         for n in leaving:
             await self._node_gone(n, "reclaimed")
 
@@ -636,11 +686,17 @@ class TrainingJob:
                 lost=[node.node_id or ""],
                 reason=f"{node.node_id} {reason}",
             )
-            if s.spec.elastic.reclaim_policy == "replace":
-                s.hold_until = self._now() + timedelta(
-                    seconds=s.spec.elastic.faulty_scale_down_timeout_s
-                )
+            self._hold_for_replacement()
         await self._node_gone(node, reason)
+
+    def _hold_for_replacement(self) -> None:
+        """After a loss, wait up to `faulty_scale_down_timeout_s` for a replacement before
+        restarting smaller (with `replace`; with `drop` the job shrinks at once)."""
+        s = self._active_state()
+        if s.spec.elastic.reclaim_policy == "replace":
+            s.hold_until = self._now() + timedelta(
+                seconds=s.spec.elastic.faulty_scale_down_timeout_s
+            )
 
     async def _node_gone(self, node: NodeRecord, reason: str) -> None:
         """Book a lost node and order its replacement per the reclaim policy."""
@@ -946,6 +1002,8 @@ class TrainingJob:
                 if _error_type(err) == CAPACITY_ERROR:
                     continue
                 s.record(self._now(), "launch failed", f"slot {node.slot}: {err.cause}")
+                if _error_type(err) == CONFIG_ERROR:  # will not heal by retrying: say so
+                    self._fatal = f"cannot launch {lifecycle} {itype}: {err.cause}"
                 break
             if not node.alive:  # released while launching (cancel, pause, scale in)
                 await self._release_ids([info.node_id], "no longer needed")

@@ -39,6 +39,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from spotrain.activities.ec2 import LIVE_STATES, TAG_JOB, TAG_SLOT
+from spotrain.activities.local import job_processes
 from spotrain.activities.store import JobStore
 from spotrain.workers.binaries import temporal_cli
 from spotrain.workflows import attributes
@@ -208,9 +209,14 @@ class ChaosEnv:
             },
         }
 
-    async def start(self, spec: dict[str, Any]) -> Handle:
+    async def start(self, spec: dict[str, Any], task_queue: str | None = None) -> Handle:
+        """The job, on its own task queue (its name) unless one is given."""
         return await self.client.start_workflow(
-            "TrainingJob", spec, id=spec["name"], task_queue=spec["name"], result_type=JobResult
+            "TrainingJob",
+            spec,
+            id=spec["name"],
+            task_queue=task_queue or spec["name"],
+            result_type=JobResult,
         )
 
 
@@ -322,23 +328,6 @@ def job_instances(job: str) -> list[tuple[str, int, str]]:
     return found
 
 
-def rank_processes(job: str) -> list[int]:
-    """Live processes (any, not only the runtime's) whose environment names `job`."""
-    marker = f"SPOTRAIN_JOB={job}\0".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if marker in (proc / "environ").read_bytes():
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state not in ("Z", "X"):
-                    pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
-
-
 @dataclass
 class Generation:
     """One generation as its ranks recorded it."""
@@ -419,7 +408,7 @@ def check_job(
     slots = [slot for _, slot, _ in job_instances(job)]
     fig.duplicates = len(slots) - len(set(slots))
     live = [i for i, _, state in job_instances(job) if state in LIVE_STATES]
-    procs = rank_processes(job)
+    procs = job_processes(job)
     fig.leaks = len(live) + len(procs)
     if fig.duplicates:
         fig.problems.append(f"duplicate instances for slots {sorted(slots)}")

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import os
 import random
+import sys
 from typing import Any
 
-import boto3
 import pytest
 from moto.ec2.responses import EC2Response
-from temporalio.client import WorkflowExecutionStatus
 
-from spotrain.activities.ec2 import reap
-from spotrain.activities.local import LocalRuntime
-from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobResult
 from tests import ec2_support
 from tests.jobs import record_history
@@ -170,7 +168,7 @@ async def stop_at_random(
 ) -> Figures:
     """Cancel or terminate `job` `delay` s after submission (or, if `training`, after it
     started running); then nothing may be left running (after terminate, which runs no
-    cleanup, once the gc reaper and the runtime's cleanup_job have run)."""
+    cleanup, once `spotrain gc --apply` has reaped its instances and rank processes)."""
     worker = WorkerProcess(env, job)
     handle = await env.start(env.spec(job))
     if training:
@@ -180,17 +178,16 @@ async def stop_at_random(
     if terminate:
         await handle.terminate("chaos")
         worker.stop()  # the controller settles: no activity is still starting things
-        ec2 = boto3.client("ec2", endpoint_url=env.moto, region_name="us-east-1")
-        loop = asyncio.get_running_loop()
-
-        def is_job_running(name: str) -> bool:
-            desc = asyncio.run_coroutine_threadsafe(
-                env.client.get_workflow_handle(name).describe(), loop
-            ).result()
-            return desc.status == WorkflowExecutionStatus.RUNNING
-
-        await asyncio.to_thread(reap, ec2, is_job_running, True)
-        await asyncio.to_thread(LocalRuntime(env.state_dir).cleanup_job, CleanupRequest(job=job))
+        gc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "spotrain.workers.cli", "gc", "--apply", "--json"),
+            *("--state-dir", str(env.state_dir)),
+            env=os.environ | env.worker_env(),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await gc.communicate()
+        assert gc.returncode == 0, err.decode()
+        assert json.loads(out)["applied"]  # what it left is judged below: no leaks
     else:
         await handle.cancel()
         await supervise(env, handle, worker)
