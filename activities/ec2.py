@@ -1,7 +1,8 @@
 """The EC2 node provider: buy, track and release spot and on-demand nodes with boto3.
 
-Every instance carries ownership tags (on the instance and its volumes, set atomically by
-`run_instances`), and everything here finds instances through them:
+Every instance carries ownership tags (on the instance and its volumes: set atomically by
+`run_instances`, or by an instant EC2 Fleet and then on the volumes), and everything here
+finds instances through them:
 
     spotrain:managed=true  spotrain:job  spotrain:generation  spotrain:slot
     spotrain:attempt       spotrain:lifecycle
@@ -32,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import zip_longest
-from typing import Any
+from typing import Any, Literal
 
 import boto3
 from botocore.config import Config
@@ -98,6 +99,12 @@ POLL_S = 2.0
 LOCAL_AMI_NAME = "al2023-ami-*-x86_64"  # listing all of moto's 1,300 images takes seconds
 
 
+def _launch_mode(value: str) -> Literal["instances", "fleet"]:
+    if value not in ("instances", "fleet"):
+        raise ValueError(f"SPOTRAIN_EC2_LAUNCH: expected 'instances' or 'fleet', got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def client_token(job: str, slot: int, attempt: int) -> str:
     """Stable across retries of one launch, distinct per (job, slot, attempt); max 64 chars."""
     digest = hashlib.sha256(f"{job}/{slot}/{attempt}".encode()).hexdigest()
@@ -140,6 +147,31 @@ def _node(instance: Mapping[str, Any]) -> NodeInfo:
     )
 
 
+def _ownership(req: LaunchRequest) -> list[dict[str, str]]:
+    """The tags every node and its volumes carry: whose it is, for which slot and attempt."""
+    return [
+        {"Key": MANAGED, "Value": "true"},
+        {"Key": TAG_JOB, "Value": req.job},
+        {"Key": TAG_GENERATION, "Value": str(req.generation)},
+        {"Key": TAG_SLOT, "Value": str(req.slot)},
+        {"Key": TAG_ATTEMPT, "Value": str(req.attempt)},
+        {"Key": TAG_LIFECYCLE, "Value": req.lifecycle},
+        {"Key": "Name", "Value": f"spotrain-{req.job}-{req.slot}"},
+    ]
+
+
+def _log_launch(instance: Mapping[str, Any], req: LaunchRequest) -> None:
+    log.info(
+        "launched %s for %s slot %s (%s %s in %s)",
+        instance["InstanceId"],
+        req.job,
+        req.slot,
+        req.lifecycle,
+        instance["InstanceType"],
+        instance["Placement"]["AvailabilityZone"],
+    )
+
+
 @contextmanager
 def _typed_errors() -> Iterator[None]:
     """Turn the errors the workflow acts on into typed non-retryable ApplicationErrors."""
@@ -165,6 +197,9 @@ class EC2Provider:
     """The node provider activities over EC2.
 
     `ami`: image id (against a local endpoint such as moto, a stock image when unset).
+    `launch_mode`: "instances" (one `run_instances` per pool, the workflow moving from pool
+    to pool), or "fleet" (an instant EC2 Fleet over all the pools at once; needs
+    `launch_template`).
     `launch_template`: name of a template carrying network, user data and
     instance profile for nodes joining the cluster. `subnets`: zone -> subnet id for
     non-default VPCs. `ready_timeout_s`: a node still pending after this is terminated and the
@@ -181,8 +216,10 @@ class EC2Provider:
         subnets: Mapping[str, str] | None = None,
         ready_timeout_s: float = 600.0,
         max_attempts: int = 5,
+        launch_mode: Literal["instances", "fleet"] = "instances",
     ) -> None:
         self.region = region
+        self.launch_mode = launch_mode
         self.endpoint_url = endpoint_url
         self.ami = ami
         self.launch_template = launch_template
@@ -197,7 +234,8 @@ class EC2Provider:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> EC2Provider:
         """The worker's configuration: SPOTRAIN_EC2_ENDPOINT (a local endpoint such as moto),
-        SPOTRAIN_AMI, SPOTRAIN_LAUNCH_TEMPLATE, SPOTRAIN_SUBNETS ("zone=subnet-id,...").
+        SPOTRAIN_AMI, SPOTRAIN_LAUNCH_TEMPLATE, SPOTRAIN_SUBNETS ("zone=subnet-id,..."),
+        SPOTRAIN_EC2_LAUNCH ("instances", the default, or "fleet").
         Region and credentials: boto3's chain (AWS_REGION, AWS_PROFILE, instance role...)."""
         subnets = {}
         for pair in filter(None, env.get("SPOTRAIN_SUBNETS", "").split(",")):
@@ -211,6 +249,7 @@ class EC2Provider:
             ami=env.get("SPOTRAIN_AMI") or None,
             launch_template=env.get("SPOTRAIN_LAUNCH_TEMPLATE") or None,
             subnets=subnets,
+            launch_mode=_launch_mode(env.get("SPOTRAIN_EC2_LAUNCH") or "instances"),
         )
 
     def client(self, region: str | None = None) -> Any:
@@ -309,8 +348,9 @@ class EC2Provider:
         means this pool cannot serve: CAPACITY_ERROR, and the workflow moves on.
         """
         ec2 = self.client(req.region)
+        launch = self._fleet if self.launch_mode == "fleet" else self._run
         with _typed_errors():
-            instance = self._find_slot(ec2, req) or self._run(ec2, req)
+            instance = self._find_slot(ec2, req) or launch(ec2, req)
             return self._wait_ready(ec2, instance["InstanceId"])
 
     def _find_slot(self, ec2: Any, req: LaunchRequest) -> dict[str, Any] | None:
@@ -334,22 +374,13 @@ class EC2Provider:
         return keep
 
     def _run(self, ec2: Any, req: LaunchRequest) -> dict[str, Any]:
-        tags = [
-            {"Key": MANAGED, "Value": "true"},
-            {"Key": TAG_JOB, "Value": req.job},
-            {"Key": TAG_GENERATION, "Value": str(req.generation)},
-            {"Key": TAG_SLOT, "Value": str(req.slot)},
-            {"Key": TAG_ATTEMPT, "Value": str(req.attempt)},
-            {"Key": TAG_LIFECYCLE, "Value": req.lifecycle},
-            {"Key": "Name", "Value": f"spotrain-{req.job}-{req.slot}"},
-        ]
         params: dict[str, Any] = {
             "InstanceType": req.instance_type,
             "MinCount": 1,
             "MaxCount": 1,
             "ClientToken": client_token(req.job, req.slot, req.attempt),
             "TagSpecifications": [
-                {"ResourceType": kind, "Tags": tags} for kind in ("instance", "volume")
+                {"ResourceType": kind, "Tags": _ownership(req)} for kind in ("instance", "volume")
             ],
         }
         zone = req.zone or min(_zones(ec2))  # on-demand may leave the zone open
@@ -369,15 +400,58 @@ class EC2Provider:
                 spot["MaxPrice"] = f"{req.max_price:.5f}"
             params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": spot}
         instance = ec2.run_instances(**params)["Instances"][0]
-        log.info(
-            "launched %s for %s slot %s (%s %s in %s)",
-            instance["InstanceId"],
-            req.job,
-            req.slot,
-            req.lifecycle,
-            req.instance_type,
-            zone,
+        _log_launch(instance, req)
+        return instance
+
+    def _fleet(self, ec2: Any, req: LaunchRequest) -> dict[str, Any]:
+        """One node through an instant EC2 Fleet: EC2 picks, among the requested pool and its
+        `fallback_pools`, the one with the most capacity at a low price
+        (price-capacity-optimized), in one call instead of one call per pool."""
+        if not self.launch_template:
+            raise ApplicationError(
+                "launching through EC2 Fleet needs a launch template: set SPOTRAIN_LAUNCH_TEMPLATE",
+                type=contract.CONFIG_ERROR,
+                non_retryable=True,
+            )
+        pools = [(req.instance_type, req.zone or min(_zones(ec2))), *req.fallback_pools]
+        overrides = []
+        for itype, zone in pools:
+            override: dict[str, Any] = {"InstanceType": itype, "AvailabilityZone": zone}
+            if zone in self.subnets:
+                override["SubnetId"] = self.subnets[zone]
+            if self.ami:
+                override["ImageId"] = self.ami
+            if req.lifecycle == "spot" and req.max_price is not None:
+                override["MaxPrice"] = f"{req.max_price:.5f}"
+            overrides.append(override)
+        template = {"LaunchTemplateName": self.launch_template, "Version": "$Latest"}
+        resp = ec2.create_fleet(
+            Type="instant",
+            ClientToken=client_token(req.job, req.slot, req.attempt),
+            TargetCapacitySpecification={
+                "TotalTargetCapacity": 1,
+                "DefaultTargetCapacityType": req.lifecycle,
+            },
+            SpotOptions={
+                "AllocationStrategy": "price-capacity-optimized",
+                "InstanceInterruptionBehavior": "terminate",
+            },
+            OnDemandOptions={"AllocationStrategy": "lowest-price"},
+            LaunchTemplateConfigs=[
+                {"LaunchTemplateSpecification": template, "Overrides": overrides}
+            ],
+            TagSpecifications=[{"ResourceType": "instance", "Tags": _ownership(req)}],
         )
+        ids = [i for launched in resp.get("Instances", []) for i in launched["InstanceIds"]]
+        if not ids:  # an instant fleet reports what it could not launch instead of raising
+            errors = resp.get("Errors") or [{"ErrorCode": "InsufficientInstanceCapacity"}]
+            code, message = errors[0].get("ErrorCode", ""), errors[0].get("ErrorMessage", "")
+            raise ClientError({"Error": {"Code": code, "Message": message}}, "CreateFleet")
+        instance = ec2.describe_instances(InstanceIds=ids[:1])["Reservations"][0]["Instances"][0]
+        volumes = [m["Ebs"]["VolumeId"] for m in instance.get("BlockDeviceMappings", [])]
+        if volumes:  # a fleet tags instances only; the volumes get the same owner tags
+            ec2.create_tags(Resources=volumes, Tags=_ownership(req))
+        _log_launch(instance, req)
         return instance
 
     def _image(self, ec2: Any) -> str:

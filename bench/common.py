@@ -105,8 +105,17 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path | None, report: dict[str, Any]) -> None:
-    """The machine-readable report: to `path` if given, else only the table is printed."""
+def publish(
+    report: dict[str, Any],
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[str],
+    path: Path | None,
+) -> None:
+    """Print the JSON report, then the same rows as a table; also write the JSON to `path`."""
+    text = json.dumps(report, indent=1, default=str)
+    print(text)
+    print()
+    print(table(rows, columns))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1, default=str))
+        path.write_text(text)

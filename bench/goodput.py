@@ -48,7 +48,7 @@ from spotrain.workflows.contract import (
 from spotrain.workflows.state import JobResult, JobStatus
 from spotrain.workflows.training_job import TrainingJob
 
-from .common import REPO, Trace, load_traces, table, time_skipping_server, write_json
+from .common import REPO, Trace, load_traces, publish, time_skipping_server
 
 Series = list[tuple[float, int]]  # (hours since start, world size) at each change
 INSTANCE_TYPE = "p3.2xlarge"
@@ -605,8 +605,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": [r.report(setup, oracle_h) for r in rows],
         "bench_s": time.monotonic() - began,
     }
-    print(table(report["rows"], COLUMNS))
-    write_json(args.out / "goodput.json", report)
+    publish(report, report["rows"], COLUMNS, args.out / "goodput.json")
     plot(setup, rows, args.out / "goodput_world_size.png")
     return report
 

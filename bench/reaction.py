@@ -45,7 +45,7 @@ from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobStatus
 from spotrain.workflows.training_job import TrainingJob
 
-from .common import REPO, dev_server, summary, table, write_json
+from .common import REPO, dev_server, publish, summary
 
 TOKEN = "bench-token-not-a-secret"
 NOTICE_S = 120.0  # what AWS gives; the target is well under 1% of it
@@ -250,8 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append({"metric": metric_ms, **stats, "median_pct_of_notice": pct})
     report = {"setup": {"reclaims": args.reclaims, "nodes": args.nodes}, "rows": rows}
     report["samples_s"] = samples
-    print(table(rows, COLUMNS))
-    write_json(args.out / "reaction.json", report)
+    publish(report, rows, COLUMNS, args.out / "reaction.json")
     return report
 
 

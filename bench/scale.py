@@ -34,7 +34,7 @@ from spotrain.workflows import contract
 from spotrain.workflows.contract import StopRequest, StopResult
 from spotrain.workflows.training_job import HISTORY_EVENTS_BEFORE_CONTINUE, TrainingJob
 
-from .common import REPO, dev_server, summary, table, write_json
+from .common import REPO, dev_server, publish, summary, table
 
 HISTORY_LIMIT = 51_200  # Temporal's hard limit on events per run
 NODES = 4
@@ -231,8 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         print(table(rows[-1:], COLUMNS), file=sys.stderr, flush=True)  # progress
     report = {"setup": vars(args) | {"out": str(args.out)}, "rows": rows}
-    print(table(rows, COLUMNS))
-    write_json(args.out / "scale.json", report)
+    publish(report, rows, COLUMNS, args.out / "scale.json")
     return report
 
 

@@ -60,7 +60,9 @@ def test_baseline_models_match_hand_computation(tmp_path: Path) -> None:
     assert on_demand.wall_h == pytest.approx(3.0) and on_demand.on_demand_node_h == 6
 
 
-def test_goodput_benchmark_runs_the_real_workflow(tmp_path: Path) -> None:
+def test_goodput_benchmark_runs_the_real_workflow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a = write_trace(tmp_path / "a.json", TICKS_A)
     b = write_trace(tmp_path / "b.json", TICKS_B)
     report = goodput.main(
@@ -91,7 +93,11 @@ def test_goodput_benchmark_runs_the_real_workflow(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["wall_h"] >= rows["oracle"]["wall_h"] or row["on_demand_node_h"] > 0
         assert 0 < row["goodput"] <= 1.0 + 1e-9
-    assert (tmp_path / "goodput.json").exists()
+    printed, table = capsys.readouterr().out.split("\n\n", 1)
+    assert (
+        json.loads(printed)["rows"] == json.loads((tmp_path / "goodput.json").read_text())["rows"]
+    )
+    assert table.splitlines()[0].split()[:3] == ["policy", "engine", "wall_h"]
     assert (tmp_path / "goodput_world_size.png").stat().st_size > 10_000
 
 

@@ -197,9 +197,17 @@ async def test_steer_a_running_job(cli: Cli, tmp_path: Path) -> None:
     assert (r.code, "already paused" in r.err) == (1, True), r
     await cli.until(name, lambda s: s.phase == "Paused")
     assert (await cli("resume", name)).code == 0
+    await cli.until(name, lambda s: s.phase == "Running" and s.world_size == 4)
+    r = await cli("scale", name, "--in", "1")
+    assert (r.code, "scaling in by 1 node(s)" in r.out) == (0, True), r
+    await cli.until(name, lambda s: s.phase == "Running" and s.world_size == 3)
+    r = await cli("scale", name, "--out", "1")
+    assert (r.code, "scaling out by 1 node(s)" in r.out) == (0, True), r
 
     assert (await cli("cancel", name)).code == 0
     await cli.until(name, lambda s: s.phase == "Cancelled")
+    r = await cli("status", name, "--watch", "--json", "--interval", "0.2")
+    assert r.code == 0 and json.loads(r.out.splitlines()[-1])["phase"] == "Cancelled", r
     report = (await cli("report", name, "--json")).json()
     assert (report["phase"], report["reclaims"]) == ("Cancelled", 1)
     events = [e["event"] for e in report["timeline"]]
@@ -302,6 +310,9 @@ async def test_help_everywhere_has_examples(cli: Cli) -> None:
     for command in ("submit", "scale", "report"):  # one parser builds them all
         r = await cli(command, "--help")
         assert r.code == 0 and "examples:" in r.out and "Exit codes" in r.out, (command, r)
+    for command in ("dev", "demo", "worker", "webhook", "pool"):  # their own parsers
+        r = await cli(command, "--help")
+        assert r.code == 0 and "usage:" in r.out and "examples:" in r.out, (command, r)
     r = await cli("frobnicate")
     assert r.code == 2, r
 

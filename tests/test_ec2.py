@@ -22,6 +22,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError
+from moto.ec2.models import fleets as moto_fleets
 from moto.ec2.models import instances as moto_instances
 from temporalio import workflow
 from temporalio.client import WorkflowFailureError
@@ -171,6 +172,84 @@ def test_retried_launch_creates_no_duplicate(provider: EC2Provider, job: str) ->
     kept = launch(provider, raced).node_id
     assert kept in both and len(live(provider, job)) == 3
     assert set(live(provider, job)) & both == {kept}
+
+
+@pytest.fixture(scope="module")
+def fleet(moto_endpoint: str) -> EC2Provider:
+    """The provider in EC2 Fleet mode, with a launch template as on AWS."""
+    ec2 = boto3.client("ec2", endpoint_url=moto_endpoint, region_name="us-east-1")
+    images = ec2.describe_images(Filters=[{"Name": "name", "Values": [ec2_mod.LOCAL_AMI_NAME]}])
+    template = f"spotrain-nodes-{uuid.uuid4().hex[:6]}"
+    ec2.create_launch_template(
+        LaunchTemplateName=template,
+        LaunchTemplateData={"ImageId": images["Images"][0]["ImageId"]},
+    )
+    subnets = {
+        sn["AvailabilityZone"]: sn["SubnetId"]
+        for sn in ec2.describe_subnets(Filters=[{"Name": "default-for-az", "Values": ["true"]}])[
+            "Subnets"
+        ]
+    }  # (moto places fleet instances by subnet; it ignores the zone of an override)
+    return EC2Provider(
+        endpoint_url=moto_endpoint, launch_template=template, subnets=subnets, launch_mode="fleet"
+    )
+
+
+@pytest.mark.parametrize("lifecycle", ["spot", "on-demand"])
+def test_fleet_launch_offers_every_pool_tags_and_is_idempotent(
+    fleet: EC2Provider, job: str, lifecycle: str
+) -> None:
+    sent: list[dict[str, Any]] = []
+    event = "provide-client-params.ec2.CreateFleet"
+    hook = fleet.client().meta.events.register(event, lambda params, **_: sent.append(params))
+    try:
+        others = [("p3.2xlarge", "us-east-1c"), ("g5.xlarge", "us-east-1a")]
+        req = spot(job, slot=2, lifecycle=lifecycle, fallback_pools=others)
+        node = launch(fleet, req)
+        assert launch(fleet, req).node_id == node.node_id  # a retry finds the slot's node
+    finally:
+        fleet.client().meta.events.unregister(event, hook)
+
+    (params,) = sent  # the retry bought nothing
+    assert params["Type"] == "instant" and params["ClientToken"] == client_token(job, 2, 0)
+    assert params["TargetCapacitySpecification"] == {
+        "TotalTargetCapacity": 1,
+        "DefaultTargetCapacityType": lifecycle,
+    }
+    assert params["SpotOptions"]["AllocationStrategy"] == "price-capacity-optimized"
+    (config,) = params["LaunchTemplateConfigs"]
+    pools = [(o["InstanceType"], o["AvailabilityZone"]) for o in config["Overrides"]]
+    assert pools == [("p3.2xlarge", "us-east-1b"), *others]
+    assert node.state == "ready" and node.lifecycle == lifecycle and node.slot == 2
+    assert (node.instance_type, node.zone) in pools
+    (instance,) = job_instances(fleet, job)
+    owner = {"spotrain:job": job, "spotrain:slot": "2", "spotrain:lifecycle": lifecycle}
+    assert owner.items() <= ec2_mod._tags(instance).items()
+    volumes = fleet.client().describe_volumes(
+        Filters=[{"Name": "attachment.instance-id", "Values": [node.node_id]}]
+    )["Volumes"]
+    assert volumes and all(owner.items() <= ec2_mod._tags(v).items() for v in volumes)
+
+
+def test_fleet_that_launches_nothing_is_a_capacity_error(
+    fleet: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instant fleet reports pools it could not fill in its answer instead of failing the
+    call: moto's fleet is made to fill nothing (patched in-process, as moto has no capacity)."""
+    monkeypatch.setattr(moto_fleets.Fleet, "create_spot_requests", lambda self, weight: None)
+    with pytest.raises(ApplicationError) as info:
+        launch(fleet, spot(job))
+    assert info.value.type == contract.CAPACITY_ERROR and info.value.non_retryable
+    assert live(fleet, job) == []
+
+
+def test_fleet_without_a_launch_template_is_a_config_error(moto_endpoint: str, job: str) -> None:
+    provider = EC2Provider(endpoint_url=moto_endpoint, launch_mode="fleet")
+    with pytest.raises(ApplicationError) as info:
+        launch(provider, spot(job))
+    assert info.value.type == contract.CONFIG_ERROR and "SPOTRAIN_LAUNCH_TEMPLATE" in str(
+        info.value
+    )
 
 
 def test_capacity_error_only_for_that_pool(
@@ -414,6 +493,10 @@ def test_from_env() -> None:
         "SPOTRAIN_SUBNETS": "us-east-1a=subnet-a, us-east-1b=subnet-b",
     }
     provider = EC2Provider.from_env(env)
+    assert provider.launch_mode == "instances"
+    assert EC2Provider.from_env({"SPOTRAIN_EC2_LAUNCH": "fleet"}).launch_mode == "fleet"
+    with pytest.raises(ValueError, match="SPOTRAIN_EC2_LAUNCH"):
+        EC2Provider.from_env({"SPOTRAIN_EC2_LAUNCH": "fleets"})
     assert (provider.endpoint_url, provider.ami, provider.launch_template) == (
         "http://127.0.0.1:5000",
         "ami-12345678",

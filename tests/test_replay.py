@@ -1,8 +1,6 @@
 """Determinism guard: every recorded history under tests/histories replays against the current
-TrainingJob code. A change that breaks replay must be versioned with `workflow.patched` or the
-histories re-recorded on purpose:
-
-    SPOTRAIN_RECORD=1 python -m pytest tests/test_workflow_scenarios.py tests/test_workflow_basic.py
+TrainingJob and CapacityPool code. A change that breaks replay must be versioned with
+`workflow.patched` or the histories re-recorded on purpose (tests/record_histories.py).
 """
 
 from __future__ import annotations

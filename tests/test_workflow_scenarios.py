@@ -8,16 +8,27 @@ cross continue-as-new boundaries with state carried over."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from temporalio import activity
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.simulated import SimulatedCloud
+from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
+from spotrain.workflows import contract
+from spotrain.workflows.contract import (
+    LaunchRequest,
+    NodeInfo,
+    Offer,
+    StopRequest,
+    StopResult,
+)
+from spotrain.workflows.spec import SpotPolicy
 from spotrain.workflows.state import JobStatus
 
 from .jobs import fast_runtime, fast_spec, record_history, running_at, simulated, sizes, until
@@ -115,6 +126,38 @@ async def test_replacement_falls_back_to_on_demand_then_returns_to_spot(
     assert swapped.cost["on-demand"] > 0
     assert any(e.event == "node ready" and "on-demand" in e.detail for e in swapped.timeline)
     assert sim.cloud.running() == []
+
+
+class StaleOffers(SimulatedCloud):
+    """Offers every pool, but us-east-1a has no capacity when a launch gets there (price
+    history says nothing about capacity): the launch is where a pool turns out empty."""
+
+    @activity.defn(name=contract.LAUNCH_NODE)
+    def launch_node(self, req: LaunchRequest) -> NodeInfo:
+        if req.lifecycle == "spot" and req.zone == "us-east-1a":
+            raise ApplicationError(
+                "InsufficientInstanceCapacity", type=contract.CAPACITY_ERROR, non_retryable=True
+            )
+        return super().launch_node(req)
+
+    @activity.defn(name=contract.FIND_OFFERS)
+    def find_offers(self, policy: SpotPolicy) -> list[Offer]:
+        return [Offer(instance_type="p3.2xlarge", zone=z, price=0.9) for z in self.zones]
+
+
+async def test_capacity_error_falls_over_to_the_next_pool_then_on_demand(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    b_capacity = {"us-east-1a": 1000, "us-east-1b": 2}
+    cloud = StaleOffers(capacity=lambda _t, zone, _w: b_capacity[zone])
+    spec = fast_spec(total_steps=10**6, on_demand={"max_nodes": 2})
+    async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
+        handle = await sim.start(spec)
+        status = await until(sim, handle, running_at(4))
+        await handle.cancel()
+    launched = [(launch.lifecycle, launch.zone) for launch in sim.cloud.launches]
+    assert sorted(launched) == [("on-demand", None)] * 2 + [("spot", "us-east-1b")] * 2
+    assert all(n.zone != "us-east-1a" for n in status.nodes if n.lifecycle == "spot")
 
 
 async def test_opportunistic_scale_out_when_spot_capacity_appears(
@@ -249,15 +292,34 @@ async def test_max_restarts_exceeded_fails_with_reason(dev_env: WorkflowEnvironm
     assert sim.cloud.running() == []
 
 
+class SlowStopRuntime(SimulatedRuntime):
+    """Checkpoints take until the test says so: the resize is caught in the middle."""
+
+    def __init__(self) -> None:
+        super().__init__(steps_per_hour=lambda world: 36_000.0 * world, restart_cost_s=0.5)
+        self.stopping = threading.Event()
+        self.go = threading.Event()
+
+    @activity.defn(name=contract.STOP_GENERATION)
+    def stop_generation(self, req: StopRequest) -> StopResult:
+        self.stopping.set()
+        while not self.go.wait(1):
+            activity.heartbeat()
+        return super().stop_generation(req)
+
+
 async def test_cancel_mid_resize_releases_all_nodes(dev_env: WorkflowEnvironment) -> None:
-    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+    runtime = SlowStopRuntime()
+    async with simulated(dev_env.client, runtime=runtime) as sim:
         handle = await sim.start(fast_spec())
         victim = members(await until(sim, handle, running_at(4)))[0]
         await handle.signal(
             "reclaim", {"node_id": victim, "deadline": in_seconds(120), "event_id": "r"}
         )
-        await until(sim, handle, lambda s: s.phase == "Resizing" or s.generation > 1)
+        await asyncio.to_thread(runtime.stopping.wait, 30)
+        assert (await sim.status(handle)).phase == "Resizing"  # the checkpoint is under way
         await handle.cancel()
+        runtime.go.set()
         with pytest.raises(WorkflowFailureError):
             await handle.result()
         await record_history(handle, "cancel")
@@ -269,7 +331,7 @@ async def test_cancel_mid_resize_releases_all_nodes(dev_env: WorkflowEnvironment
 
 async def test_duplicate_unknown_and_out_of_order_signals(dev_env: WorkflowEnvironment) -> None:
     async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
-        handle = await sim.start(fast_spec())
+        handle = await sim.start(fast_spec(total_steps=1200))
         victim = members(await until(sim, handle, running_at(4)))[1]
         deadline = in_seconds(120)
         for _ in range(10):
@@ -283,9 +345,14 @@ async def test_duplicate_unknown_and_out_of_order_signals(dev_env: WorkflowEnvir
             "reclaim", {"node_id": "i-unknown", "deadline": deadline, "event_id": "u"}
         )
         await handle.signal("node_lost", {"node_id": "i-unknown", "event_id": None})
+        second = members(await until(sim, handle, running_at(4, generation=3)))[2]
+        await handle.signal("node_lost", {"node_id": second, "event_id": "gone-first"})
+        await handle.signal(  # the notice arrives after the loss
+            "reclaim", {"node_id": second, "deadline": in_seconds(120), "event_id": "late"}
+        )
         result = await handle.result()
-    assert sizes(result) == [4, 3, 4]  # exactly one membership change for the one real loss
-    assert result.reclaims == 1
+    assert sizes(result) == [4, 3, 4, 3, 4]  # one membership change per real loss
+    assert result.reclaims == 2
 
 
 async def test_invalid_spec_fails_at_once_with_field_message(dev_env: WorkflowEnvironment) -> None:

@@ -49,7 +49,7 @@ from spotrain.workflows import attributes
 from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut
 from spotrain.workflows.pool import PoolConfig, PoolStatus, pool_workflow_id
 from spotrain.workflows.spec import SpecError, describe_errors, parse_spec
-from spotrain.workflows.state import JobResult, JobStatus, Phase
+from spotrain.workflows.state import JobResult, JobStatus, Phase, TimelineEntry
 
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 PHASES = get_args(Phase)
@@ -127,14 +127,23 @@ async def build_report(handle: WorkflowHandle[Any, Any]) -> Report:
     """Running: the `status` query. Finished: the result (a failed job carries it in its
     failure's details). Cancelled or terminated: the query, answered by replaying history."""
     if await is_running(handle):
-        return Report.from_status(await query_status(handle))
+        return Report.from_status(await full_status(handle))
     try:
         return Report.from_result(await handle.result())
     except WorkflowFailureError as e:
         cause = e.cause
         if isinstance(cause, ApplicationError) and cause.type == JOB_FAILED and cause.details:
             return Report.from_result(JobResult.model_validate(cause.details[0]))
-    return Report.from_status(await query_status(handle))
+    return Report.from_status(await full_status(handle))
+
+
+async def full_status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
+    """`status` with the whole timeline kept, not only its last 20 events."""
+    status = await query_status(handle)
+    timeline = await handle.query(
+        "timeline", result_type=list[TimelineEntry], rpc_timeout=RPC_TIMEOUT
+    )
+    return status.model_copy(update={"timeline": timeline})
 
 
 # --- rendering -----------------------------------------------------------------------------

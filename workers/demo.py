@@ -153,7 +153,12 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spotrain demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="spotrain demo",
+        description=__doc__.splitlines()[0],
+        epilog="examples:\n  spotrain demo\n  spotrain demo --steps 600 --step-time 0.02",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--steps", type=int, default=2000, help="training steps (default 2000)")
     p.add_argument(
         "--step-time", type=float, default=0.03, help="seconds per step (a bigger model)"

@@ -1,7 +1,7 @@
 """`spotrain report NAME`: what a job did and what it cost, as text, JSON, a picture or a page.
 
-A finished job is explained from its `JobResult` (full timeline, cost by lifecycle); a running
-one from the `status` query (the recent timeline and the cost so far). Both become one
+A finished job is explained from its `JobResult` (timeline, cost by lifecycle); a running or
+cancelled one from the `status` and `timeline` queries (cost so far). Both become one
 `Report`, so every output format renders the same facts.
 """
 
@@ -103,7 +103,7 @@ def tables(report: Report) -> Group:
     steps = f"{report.steps_done}" + (f"/{report.total_steps}" if report.total_steps else "")
     summary = (
         f"[bold]{report.name}[/] {report.phase}"
-        f"{'' if report.finished else ' (running: recent timeline, cost so far)'}\n"
+        f"{'' if report.finished else ' (running: cost so far)'}\n"
         f"generations {report.generations}, reclaims {report.reclaims}, faults "
         f"{report.faults}, resizes {report.resizes}, steps {steps}, lost to reclaims "
         f"{report.steps_lost}" + (f"\n[red]failure: {report.failure}[/]" if report.failure else "")

@@ -211,7 +211,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spotrain dev",
         description="Run the embedded stack in the foreground (Ctrl-C stops it).",
-        epilog="Then, in another terminal: spotrain submit examples/job.yaml --wait",
+        epilog="examples:\n  spotrain dev\n  spotrain dev --state-dir /tmp/st --trace "
+        "us-east-1a=trace.json --trace-speedup 60\n\n"
+        "Then, in another terminal: spotrain submit examples/job.yaml --wait",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.add_argument("--temporal-port", type=int, default=7233)

@@ -519,7 +519,10 @@ def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(
         prog="spotrain webhook",
         description="Serve the reclaim webhook: cloud interruption events to workflow signals.",
-        epilog="Configured by environment: SPOTRAIN_WEBHOOK_PORT (8080), SPOTRAIN_WEBHOOK_HOST, "
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  SPOTRAIN_WEBHOOK_TOKEN_FILE=/run/secrets/token spotrain webhook\n"
+        "  SPOTRAIN_WEBHOOK_QUEUE_URL=https://sqs.../spotrain-reclaims spotrain webhook\n\n"
+        "Configured by environment: SPOTRAIN_WEBHOOK_PORT (8080), SPOTRAIN_WEBHOOK_HOST, "
         "SPOTRAIN_WEBHOOK_TOKEN[_FILE], SPOTRAIN_WEBHOOK_HMAC_SECRET[_FILE], "
         "SPOTRAIN_WEBHOOK_SNS_TOPIC_ARNS, SPOTRAIN_WEBHOOK_QUEUE_URL (SQS mode), "
         "SPOTRAIN_WEBHOOK_KUBE_NODES=1 (resolve node names through the Kubernetes API); Temporal: "

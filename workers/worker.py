@@ -95,9 +95,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spotrain worker",
         description="Run the Temporal worker that drives TrainingJob workflows.",
-        epilog="Temporal connection: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, "
+        epilog="examples:\n"
+        "  spotrain worker --provider ec2 --runtime kubernetes --metrics 0.0.0.0:9464\n"
+        "  spotrain worker --provider simulated --runtime simulated --task-queue try-it\n\n"
+        "Temporal connection: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, "
         "TEMPORAL_PROFILE (the SDK's standard settings). EC2: boto3's standard credential "
-        "chain plus SPOTRAIN_EC2_ENDPOINT, SPOTRAIN_AMI, SPOTRAIN_SUBNETS.",
+        "chain plus SPOTRAIN_EC2_ENDPOINT, SPOTRAIN_AMI, SPOTRAIN_LAUNCH_TEMPLATE, "
+        "SPOTRAIN_SUBNETS, SPOTRAIN_EC2_LAUNCH (instances | fleet).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE))
     p.add_argument(
@@ -112,6 +117,13 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("SPOTRAIN_METRICS_ADDRESS"),
         metavar="HOST:PORT",
         help="serve Prometheus metrics (the SDK's and spotrain's) here",
+    )
+    p.add_argument(
+        "--metrics-interval-s",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="how often spotrain's job metrics are refreshed from the jobs (default 15)",
     )
     p.add_argument(
         "--json-logs",
@@ -130,7 +142,11 @@ async def serve(args: argparse.Namespace, runtime: Runtime) -> None:
     activities = build_activities(args.provider, args.runtime, args.state_dir)
     client = await connect()
     collector = (
-        asyncio.create_task(metrics.collect(client, metrics.JobMetrics(runtime.metric_meter)))
+        asyncio.create_task(
+            metrics.collect(
+                client, metrics.JobMetrics(runtime.metric_meter), args.metrics_interval_s
+            )
+        )
         if args.metrics
         else None
     )

@@ -121,6 +121,11 @@ class LaunchRequest(Message):
     zone: str | None = None
     max_price: float | None = None
     region: str = "us-east-1"
+    fallback_pools: list[tuple[str, str]] = Field(
+        default_factory=list,
+        description="other (type, zone) spot pools that would do, best first: a provider that "
+        "launches through EC2 Fleet lets EC2 choose among all of them in one call",
+    )
 
 
 class NodeInfo(Message):

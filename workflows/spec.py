@@ -31,7 +31,10 @@ class InstanceType(Strict):
     gpus: int = Field(0, ge=0, description="GPUs on one node of this type")
     on_demand_price: float = Field(gt=0, description="USD per hour on demand")
     spot_price: float | None = Field(
-        None, gt=0, description="expected USD per hour on spot, for cost accounting"
+        None,
+        gt=0,
+        description="USD per hour on spot, for cost accounting; None: the market price the "
+        "provider reports for the node's pool when it is bought",
     )
 
 

@@ -108,6 +108,11 @@ class JobState(BaseModel):
     next_check: datetime | None = None
     failure: str | None = None
     runs: int = 1
+    spot_prices: dict[str, float] = Field(
+        default_factory=dict,
+        description="'type@zone' -> the market price the provider last offered: what a spot "
+        "node costs when the spec gives no spot_price",
+    )
     grant: PoolGrant | None = Field(None, description="what its pool lets it hold (pool jobs)")
     grant_seen: int = Field(0, description="the newest grant received: repeats are ignored")
     pool_reports: int = Field(0, description="reports sent to the pool, numbering them")

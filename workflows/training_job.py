@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
         JobStatus,
         NodeRecord,
         NodeView,
+        TimelineEntry,
     )
 
 INVALID_SPEC = "InvalidSpec"
@@ -259,6 +260,11 @@ class TrainingJob:
             ],
             timeline=s.timeline[-20:],
         )
+
+    @workflow.query(name="timeline")
+    def timeline(self) -> list[TimelineEntry]:
+        """The whole timeline kept (the last 400 events; `status` has the last 20)."""
+        return self._active_state().timeline
 
     def result(self) -> JobResult:
         s = self._active_state()
@@ -974,7 +980,7 @@ class TrainingJob:
             tries = [(node.instance_type, None, "on-demand")]
         elif on_demand_ok:
             tries.append((self._on_demand_type(), None, "on-demand"))
-        for itype, zone, lifecycle in tries:
+        for i, (itype, zone, lifecycle) in enumerate(tries):
             node.instance_type, node.zone, node.lifecycle = itype, zone, lifecycle  # type: ignore[assignment]
             node.fallback = node.fallback or (lifecycle == "on-demand" and not node.base)
             try:
@@ -990,6 +996,9 @@ class TrainingJob:
                         zone=zone,
                         max_price=s.spec.spot.max_price if lifecycle == "spot" else None,
                         region=s.spec.spot.region,
+                        fallback_pools=[(t, z) for t, z, lc in tries[i + 1 :] if lc == "spot" and z]
+                        if lifecycle == "spot"
+                        else [],
                     ),
                     result_type=NodeInfo,
                     start_to_close_timeout=timedelta(minutes=15),
@@ -1008,12 +1017,16 @@ class TrainingJob:
             if not node.alive:  # released while launching (cancel, pause, scale in)
                 await self._release_ids([info.node_id], "no longer needed")
                 return
+            itype = info.instance_type  # an EC2 Fleet may have chosen another pool
             spec_type = s.spec.instance_type(itype)
             node.node_id, node.address, node.zone = info.node_id, info.address, info.zone
+            node.instance_type = itype
             node.state = "ready"
             node.ready_at = self._now()
             node.price = (
-                (spec_type.spot_price or spec_type.on_demand_price)
+                spec_type.spot_price
+                or s.spot_prices.get(f"{itype}@{info.zone}")
+                or spec_type.on_demand_price
                 if lifecycle == "spot"
                 else spec_type.on_demand_price
             )
@@ -1057,7 +1070,7 @@ class TrainingJob:
         if not s.spec.spot.enabled:
             return []
         try:
-            return await workflow.execute_activity(
+            offers = await workflow.execute_activity(
                 FIND_OFFERS,
                 s.spec.spot,
                 result_type=list[Offer],
@@ -1067,6 +1080,8 @@ class TrainingJob:
             )
         except ActivityError:
             return []  # a flapping cloud API means no new orders this round, nothing more
+        s.spot_prices |= {f"{o.instance_type}@{o.zone}": o.price for o in offers}
+        return offers
 
     async def _describe(self, nodes: list[NodeRecord] | None) -> list[NodeInfo]:
         """The provider's view of `nodes`, or of every node tagged with the job (None)."""

@@ -8,7 +8,7 @@ process, so the backend can be inspected and faults injected), the local runtime
 processes (`train.py`, the real training library) and the file checkpoint store.
 
 One shortcut, on by default: a SIGKILLed worker's activity attempts are only retried once
-their heartbeat timeout (60 s) or, for `release_nodes`, their start-to-close timeout (5 min)
+their heartbeat timeout (20 s) or, for quick calls, their start-to-close timeout (30 s)
 expires. To fit CI, `fail_orphaned_attempts` fails those attempts by id at once, which is
 what the server itself does at the timeout. CHAOS_REAL_TIMEOUTS=1 waits for the real ones.
 """

@@ -1,0 +1,96 @@
+"""`spotrain dev` as a user runs it: a real subprocess bringing up the Temporal dev server
+(SQLite file), moto, the worker and the webhook; Ctrl-C stops all of it, and what Temporal
+held (here a capacity pool, a workflow that never ends by itself) is there after a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spotrain.workers.stack import free_port
+
+
+def processes_using(path: Path) -> list[int]:
+    """Live processes whose command line names `path` (the dev server's database)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(path) in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+class Dev:
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.ports = [free_port() for _ in range(4)]
+        self.env = os.environ | {"TEMPORAL_ADDRESS": f"127.0.0.1:{self.ports[0]}"}
+
+    def start(self) -> subprocess.Popen[str]:
+        names = ("--temporal-port", "--ui-port", "--moto-port", "--webhook-port")
+        ports = [
+            arg for name, port in zip(names, self.ports, strict=True) for arg in (name, str(port))
+        ]
+        command = [sys.executable, "-m", "spotrain.workers.cli", "dev"]
+        proc = subprocess.Popen(
+            [*command, "--state-dir", str(self.state), *ports],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+        )
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 90
+        lines = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "spotrain dev is up" in line:
+                return proc
+            assert line or proc.poll() is None, "".join(lines)
+        proc.kill()
+        raise AssertionError("spotrain dev did not come up: " + "".join(lines))
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "spotrain.workers.cli", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=self.env, timeout=60)
+
+    def interrupt(self, proc: subprocess.Popen[str]) -> int:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=45)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_ctrl_c_stops_everything_and_temporal_state_survives_a_restart(tmp_path: Path) -> None:
+    dev = Dev(tmp_path / "state")
+    proc = dev.start()
+    try:
+        created = dev.cli("pool", "create", "kept", "--max-nodes", "3")
+        assert created.returncode == 0, created.stderr
+    finally:
+        assert dev.interrupt(proc) == 0
+    database = dev.state / "temporal.db"
+    assert database.exists()
+    deadline = time.monotonic() + 15
+    while processes_using(database) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_using(database) == []  # no dev server outlives the stack
+
+    proc = dev.start()
+    try:
+        status = dev.cli("pool", "status", "kept", "--json")
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["config"]["max_nodes"] == 3
+    finally:
+        assert dev.interrupt(proc) == 0
