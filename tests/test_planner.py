@@ -146,3 +146,41 @@ def test_pack_gpus_example() -> None:
 def test_grace_never_exceeds_the_notice_or_the_timeout(left: float, graceful: float) -> None:
     grace = planner.grace_for_notice(left, graceful)
     assert 0 <= grace <= graceful and grace <= max(0.0, left - 5)
+
+
+pools_strategy = st.lists(
+    st.tuples(st.sampled_from(["g1", "g4", "g8"]), st.sampled_from(["za", "zb", "zc"])),
+    unique=True,
+    max_size=9,
+)
+GPUS = {"g1": 1, "g4": 4, "g8": 8}
+
+
+@given(
+    offers=pools_strategy,
+    need=st.integers(0, 8),
+    held=st.dictionaries(
+        st.tuples(st.sampled_from(["g1", "g4", "g8"]), st.sampled_from(["za", "zb", "zc"])),
+        st.integers(0, 5),
+    ),
+)
+def test_spot_pools_fit_the_share_snuggest_first_and_spread(
+    offers: list[tuple[str, str]], need: int, held: dict[tuple[str, str], int]
+) -> None:
+    ranked = planner.spot_pools(offers, GPUS, need, held)
+    fitting = [p for p in offers if GPUS[p[0]] >= need]
+    assert sorted(ranked) == sorted(fitting)  # every fitting pool, to fall over to; no other
+    if ranked:
+        first = ranked[0]
+        snug = min(GPUS[p[0]] for p in fitting)
+        assert GPUS[first[0]] == snug  # the fewest idle GPUs
+        same_shape = [p for p in fitting if GPUS[p[0]] == snug]
+        assert held.get(first, 0) == min(held.get(p, 0) for p in same_shape)  # spread
+        assert [GPUS[p[0]] for p in ranked[1:]] == sorted(GPUS[p[0]] for p in ranked[1:])
+
+
+def test_spot_pools_example() -> None:
+    offers = [("g8", "za"), ("g4", "za"), ("g4", "zb"), ("g1", "zc")]
+    held = {("g4", "za"): 2}
+    assert planner.spot_pools(offers, GPUS, 3, held) == [("g4", "zb"), ("g4", "za"), ("g8", "za")]
+    assert planner.spot_pools(offers, GPUS, 9, held) == []

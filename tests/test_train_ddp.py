@@ -77,7 +77,8 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
     gen0 = plan(tmp_path, 0, nodes=2)
     env.run(rt.start_generation, gen0)
     deadline = time.monotonic() + 60
-    while (result := watch(env, rt, gen0)).outcome == "progress" and not result.step:
+    # Resize once a few checkpoints' worth is done (on a loaded machine progress is bursty).
+    while (result := watch(env, rt, gen0)).outcome == "progress" and (result.step or 0) < 12:
         assert time.monotonic() < deadline, "generation 0 made no progress"
     assert result.outcome == "progress", (result, rt.log_path("ddp", 0, 0).read_text())
 

@@ -398,6 +398,8 @@ async def test_forged_and_unsigned_requests_are_refused(hook: Webhook, jobs: Job
         ),
         json.dumps(tampered).encode(),
         json.dumps(event).encode(),  # plain event, no SNS envelope, no credentials
+        json.dumps(notification | {"TopicArn": [TOPIC]}).encode(),  # (found by the fuzzer)
+        json.dumps(notification | {"TopicArn": TOPIC, "Type": ["Notification"]}).encode(),
     ]:
         assert (await hook.post("/v1/events/aws", forged, headers={}))[0] == 401
     assert all(url == CERT_URL for url in hook.sns.urls)

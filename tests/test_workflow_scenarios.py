@@ -22,6 +22,7 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
+    DescribeRequest,
     LaunchRequest,
     NodeInfo,
     Offer,
@@ -327,6 +328,42 @@ async def test_cancel_mid_resize_releases_all_nodes(dev_env: WorkflowEnvironment
     assert status.phase == "Cancelled"
     assert sim.cloud.running() == []
     assert sim.runtime.running_generations(handle.id) == []
+
+
+class SlowDescribeCloud(SimulatedCloud):
+    """Describing nodes takes until the test says so: a capacity check is caught mid-call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.describing = threading.Event()
+        self.go = threading.Event()
+
+    @activity.defn(name=contract.DESCRIBE_NODES)
+    def describe_nodes(self, req: DescribeRequest) -> list[NodeInfo]:
+        if req.node_ids:  # the periodic check, not teardown's search by tag
+            self.describing.set()
+            while not self.go.wait(1):
+                activity.heartbeat()
+        return super().describe_nodes(req)
+
+
+async def test_cancel_during_a_call_whose_failure_is_tolerated(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    """A failed capacity check is shrugged off (a flaky API changes nothing), but a check
+    cut short because the job is being cancelled is the cancellation: the job tears down."""
+    cloud = SlowDescribeCloud()
+    async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
+        handle = await sim.start(fast_spec(total_steps=10**6))
+        await until(sim, handle, running_at(4))
+        await asyncio.to_thread(cloud.describing.wait, 30)
+        await handle.cancel()
+        cloud.go.set()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        status = await sim.status(handle)
+    assert status.phase == "Cancelled"
+    assert sim.cloud.running() == []
 
 
 async def test_duplicate_unknown_and_out_of_order_signals(dev_env: WorkflowEnvironment) -> None:

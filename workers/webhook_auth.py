@@ -129,11 +129,12 @@ class SnsVerifier:
     async def verify(self, message: Mapping[str, Any]) -> bool:
         """True only for a correctly signed message from an allow-listed topic: anyone can
         create a topic whose messages SNS signs, so the signature alone proves nothing."""
-        if message.get("TopicArn") not in self._topic_arns:
-            return False
+        topic, kind = message.get("TopicArn"), message.get("Type")
+        if not (isinstance(topic, str) and topic in self._topic_arns):
+            return False  # (a JSON list or object there must not reach a set lookup)
         url, version = message.get("SigningCertURL"), message.get("SignatureVersion")
         algorithm = _HASHES.get(str(version))
-        if algorithm is None or message.get("Type") not in _SIGNED_FIELDS:
+        if algorithm is None or not (isinstance(kind, str) and kind in _SIGNED_FIELDS):
             return False
         if not (isinstance(url, str) and SNS_CERT_URL.match(url)):
             return False

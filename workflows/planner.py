@@ -97,6 +97,25 @@ def diversify(
     return picks
 
 
+def spot_pools(
+    offers: list[tuple[str, str]],
+    gpus: dict[str, int],
+    need: int,
+    held: dict[tuple[str, str], int],
+) -> list[tuple[str, str]]:
+    """Where to buy the next spot node, best first ([]: nowhere, fall back or wait).
+
+    Only pools whose shape holds the node's share of GPUs (`need`); the snuggest shape first
+    (fewest idle GPUs); among pools of that shape the one holding fewest of the job's nodes
+    first (diversified over zones); then every other fitting pool, to fall over to."""
+    fitting = sorted((p for p in offers if gpus[p[0]] >= need), key=lambda p: gpus[p[0]])
+    if not fitting:
+        return []
+    snug = [p for p in fitting if gpus[p[0]] == gpus[fitting[0][0]]]
+    (pick,) = diversify(snug, held, 1)
+    return [pick, *(p for p in fitting if p != pick)]
+
+
 def pack_gpus(total: int, shapes: list[int]) -> list[tuple[int, int]]:
     """Pack `total` GPUs onto node shapes (GPUs per node): (shape, GPUs used) per node.
 

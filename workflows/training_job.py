@@ -23,7 +23,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
@@ -102,6 +102,20 @@ def _error_type(err: ActivityError) -> str | None:
     return cause.type if isinstance(cause, ApplicationError) else None
 
 
+def _cancellation(err: BaseException) -> bool:
+    """The job itself is being cancelled. A workflow cancelled while it awaits an activity
+    sees that activity fail as cancelled (an ActivityError), not a CancelledError."""
+    return isinstance(err, asyncio.CancelledError) or (
+        isinstance(err, ActivityError) and isinstance(err.cause, CancelledError)
+    )
+
+
+def _unless_cancelled(err: ActivityError) -> None:
+    """For code that shrugs off an activity's failure: never shrug off the job's cancellation."""
+    if _cancellation(err):
+        raise asyncio.CancelledError() from err
+
+
 @workflow.defn(name="TrainingJob")
 class TrainingJob:
     @workflow.init
@@ -143,9 +157,11 @@ class TrainingJob:
                 s.prune(self._now())
                 workflow.continue_as_new(args=[s.spec.model_dump(mode="json"), s])
             await self._teardown("Succeeded", keep=s.spec.cleanup == "never")
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ActivityError) as err:
+            if not _cancellation(err):
+                raise
             await self._teardown("Cancelled", keep=s.spec.cleanup == "never")
-            raise
+            raise asyncio.CancelledError() from err
         except JobFailed as err:
             s.failure = str(err)
             await self._teardown("Failed", keep=s.spec.cleanup != "always")
@@ -579,6 +595,7 @@ class TrainingJob:
                 summary=f"start generation {s.generation} on {len(members)} node(s)",
             )
         except ActivityError as err:
+            _unless_cancelled(err)
             s.running = True  # started in part: stop what is there as a fault
             detail = f"generation {s.generation} failed to start: {err.cause}"
             await self._fault(detail)
@@ -882,23 +899,13 @@ class TrainingJob:
         gpus = {t.name: t.gpus for t in s.spec.spot.instance_types}
         held = Counter((n.instance_type, n.zone or "") for n in alive if n.lifecycle == "spot")
         on_demand_room = self._on_demand_room()
+        pools = [(o.instance_type, o.zone) for o in offers]
         for i in range(short):
             od_ok = not spot_only and s.owed > 0 and on_demand_room > 0
-            # Pools that fit the node's share, snuggest shape first (least idle GPUs).
-            need = self._need()[0]
-            fitting = sorted(
-                ((o.instance_type, o.zone) for o in offers if gpus[o.instance_type] >= need),
-                key=lambda pool: gpus[pool[0]],
-            )
-            snug = [p for p in fitting if gpus[p[0]] == gpus[fitting[0][0]]] if fitting else []
-            picks = planner.diversify(snug, dict(held), 1)
-            if picks:
-                held[picks[0]] += 1
-                self._order(
-                    lifecycle="spot",
-                    pools=[picks[0], *(p for p in fitting if p != picks[0])],
-                    on_demand_ok=od_ok,
-                )
+            ranked = planner.spot_pools(pools, gpus, self._need()[0], held)
+            if ranked:
+                held[ranked[0]] += 1
+                self._order(lifecycle="spot", pools=ranked, on_demand_ok=od_ok)
             elif od_ok:
                 self._order(lifecycle="on-demand", fallback=True, pools=[])
                 on_demand_room -= 1
@@ -1078,7 +1085,8 @@ class TrainingJob:
                 retry_policy=QUICK,
                 summary="find spot pools that can serve now",
             )
-        except ActivityError:
+        except ActivityError as err:
+            _unless_cancelled(err)
             return []  # a flapping cloud API means no new orders this round, nothing more
         s.spot_prices |= {f"{o.instance_type}@{o.zone}": o.price for o in offers}
         return offers
@@ -1098,7 +1106,8 @@ class TrainingJob:
                 retry_policy=QUICK,
                 summary=f"check {len(ids)} node(s)" if ids else "find every node of the job",
             )
-        except ActivityError:
+        except ActivityError as err:
+            _unless_cancelled(err)
             return []  # only a node that is really gone changes membership, not an API error
 
     def _on_nodes_changed(self) -> None:
