@@ -8,13 +8,14 @@ import copy
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
@@ -24,6 +25,7 @@ from spotrain.workflows.pool import PoolConfig, pool_workflow_id
 from spotrain.workflows.state import JobResult, JobStatus
 
 HISTORIES = Path(__file__).parent / "histories"
+M = TypeVar("M", bound=BaseModel)
 
 BASE_SPEC: dict[str, Any] = {
     "command": ["python", "train.py"],
@@ -135,23 +137,28 @@ async def simulated(
             yield sim
 
 
+async def polled(
+    fetch: Callable[[], Awaitable[M]], check: Callable[[M], bool], timeout: float = 30
+) -> M:
+    """Poll a query (`fetch`) until `check` holds on its answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = await fetch()
+        if check(answer):
+            return answer
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; last: {answer.model_dump_json(indent=1)[:3000]}")
+        await asyncio.sleep(0.1)
+
+
 async def until(
     sim: Sim,
     handle: WorkflowHandle[Any, Any],
     check: Callable[[JobStatus], bool],
     timeout: float = 30,
 ) -> JobStatus:
-    """Poll the `status` query until `check` holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = await sim.status(handle)
-        if check(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out; last status: {status.model_dump_json(indent=1)[:3000]}"
-            )
-        await asyncio.sleep(0.1)
+    """Poll the job's `status` query until `check` holds."""
+    return await polled(lambda: sim.status(handle), check, timeout)
 
 
 def running_at(size: int, generation: int | None = None) -> Callable[[JobStatus], bool]:

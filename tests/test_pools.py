@@ -7,7 +7,6 @@ held at once is computed from that log."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -16,8 +15,18 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workflows.pool import PoolStatus
+from spotrain.workflows.state import TimelineEntry
 
-from .jobs import fast_runtime, fast_spec, record_history, running_at, simulated, sizes, until
+from .jobs import (
+    fast_runtime,
+    fast_spec,
+    polled,
+    record_history,
+    running_at,
+    simulated,
+    sizes,
+    until,
+)
 
 Handle = WorkflowHandle[Any, Any]
 
@@ -36,21 +45,10 @@ def pooled(pool: str, steps: int, lo: int, hi: int, priority: int = 0, **pool_op
     )
 
 
-async def pool_status(pool: Handle) -> PoolStatus:
-    return await pool.query("status", result_type=PoolStatus)
-
-
 async def until_pool(
     pool: Handle, check: Callable[[PoolStatus], bool], timeout: float = 30
 ) -> PoolStatus:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = await pool_status(pool)
-        if check(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out; pool: {status.model_dump_json(indent=1)[:3000]}")
-        await asyncio.sleep(0.1)
+    return await polled(lambda: pool.query("status", result_type=PoolStatus), check, timeout)
 
 
 def state(status: PoolStatus, job: str) -> str | None:
@@ -189,3 +187,25 @@ async def test_preemptible_job_at_its_min_is_paused_whole_and_resumes(
     assert in_order(
         final, ("preempt", low.id), ("admit", high.id), ("left", high.id), ("admit", low.id)
     )
+
+
+async def test_shrinking_keeps_the_on_demand_base(dev_env: WorkflowEnvironment) -> None:
+    """Base + elastic: the pool takes the elastic spot nodes, never the job's base."""
+    name = new_pool()
+    async with simulated(dev_env.client, runtime=runtime()) as sim:
+        pool = await sim.start_pool(name=name, max_nodes=4)
+        low = await sim.start(
+            pooled(name, 10**6, 1, 3) | {"on_demand": {"base_nodes": 1, "fallback": False}}
+        )
+        await until(sim, low, running_at(3))
+        high = await sim.start(pooled(name, 100, 3, 3, priority=5))
+        await high.result()
+        timeline = await low.query("timeline", result_type=list[TimelineEntry])
+        await low.cancel()
+        ledger = await pool.query("status", result_type=PoolStatus)
+    shrunk = [e.detail for e in timeline if e.event == "pool shrinks the job"]
+    given_back = [e.detail for e in timeline if "given back to the pool" in e.detail]
+    assert shrunk and "to 1 node(s)" in shrunk[0]
+    assert len(given_back) == 2 and all(d.startswith("spot ") for d in given_back), given_back
+    assert sim.cloud.peak({low.id, high.id}) <= 4
+    assert ledger.peak["nodes"] <= 4

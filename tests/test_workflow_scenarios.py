@@ -388,7 +388,10 @@ async def test_duplicate_unknown_and_out_of_order_signals(dev_env: WorkflowEnvir
             "reclaim", {"node_id": second, "deadline": in_seconds(120), "event_id": "late"}
         )
         result = await handle.result()
-    assert sizes(result) == [4, 3, 4, 3, 4]  # one membership change per real loss
+    # One membership change per real loss: the notice shrinks at once then grows back; the
+    # loss without notice restarts on the replacement if it is ready within
+    # faulty_scale_down_timeout_s, else smaller and grows back.
+    assert sizes(result)[:3] == [4, 3, 4] and sizes(result)[3:] in ([4], [3, 4])
     assert result.reclaims == 2
 
 
