@@ -7,6 +7,7 @@ reach the workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -18,9 +19,12 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
+from spotrain.activities.local import LocalRuntime, job_processes
 from spotrain.workers.stack import free_port
+from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobStatus
 
 from .jobs import FAST_ELASTIC, merge
@@ -84,8 +88,12 @@ async def test_worker_serves_sdk_and_job_metrics_and_json_logs(
             await asyncio.sleep(0.3)
     finally:
         await handle.cancel()
+        with contextlib.suppress(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 60)  # the worker tears the job down
         worker.terminate()
         worker.wait(timeout=30)
+        LocalRuntime(tmp_path).cleanup_job(CleanupRequest(job=name, keep=True))  # if it did not
+    assert job_processes(name) == []
     assert values["spotrain_notice_to_workers_seconds_count"] == 1
     assert 0 <= values["spotrain_notice_to_workers_seconds_sum"] < 10
     assert values["spotrain_resizes"] >= 1

@@ -350,6 +350,8 @@ def generations(job: str, records: Path) -> list[Generation]:
         gens.setdefault(int(gen), []).append((int(rank), path.read_text().splitlines()))
     out = []
     for number, ranks in sorted(gens.items()):
+        if 0 not in dict(ranks):
+            continue  # stopped before rank 0 (whose steps are the ones counted) ever ran
         nodes = {lines[0].split()[5] for _, lines in ranks}
         lines0 = dict(ranks)[0]
         head = lines0[0].split()
