@@ -46,9 +46,11 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
 
     gens = steps_by_generation(record)
     assert len(gens) >= 3, gens.keys()
-    # World sizes followed the plan: 4 nodes, 3 after the reclaim with notice, back to 4.
+    # World sizes followed the plan: 4 nodes, 3 after the reclaim with notice, back to 4;
+    # after the loss without notice, 4 again on the replacement if it came within
+    # faulty_scale_down_timeout_s, else 3 and back to 4.
     worlds = [steps[0]["world"] for steps in gens.values()]
-    assert worlds[:3] == [4, 3, 4], worlds
+    assert worlds[:3] == [4, 3, 4] and worlds[3:] in ([4], [3, 4]), worlds
     # Steps add up: each generation resumes right after a checkpoint of the one before, the
     # last one ends exactly at the total, and only work after a checkpoint is ever redone.
     chain = list(gens.values())

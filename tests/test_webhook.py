@@ -1,7 +1,9 @@
 """The reclaim webhook over real HTTP on loopback, against the real Temporal dev server.
 
-The real TrainingJob workflow is written elsewhere, so a small recording workflow stands in
-for it: it upserts `SpotrainNodeIds` like the real one and records every signal it gets.
+A small recording workflow stands in for TrainingJob here: it upserts `SpotrainNodeIds` like
+the real one and records every signal exactly as it arrives, so that each event's effect can be
+counted (TrainingJob dedupes, which would hide a duplicate). The real workflow is driven
+through the webhook by `spotrain reclaim` (tests/test_cli.py) and the demo.
 Only SNS's certificate host cannot be reached from here: `http_get` is a stand-in that serves a
 test certificate, and the tests check it is never asked for a URL off the SNS host pattern.
 """

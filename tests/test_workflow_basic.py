@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+from temporalio import activity
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
+
+from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workflows import contract
+from spotrain.workflows.contract import LaunchRequest, NodeInfo
 
 from .jobs import job_spec, simulated
 
@@ -27,6 +35,41 @@ async def test_job_runs_to_completion_and_releases_everything(ts_env: WorkflowEn
     assert 9.9 < result.node_hours["spot"] < 10.5
     assert result.cost["on-demand"] == 0
     assert abs(result.savings - (1 - 0.97 / 3.06)) < 1e-6
+
+
+async def test_spot_cost_is_the_market_price_when_the_spec_gives_none(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """No `spot_price` in the spec: spot nodes cost what the provider offered them at."""
+    types = [{"name": "p3.2xlarge", "gpus": 1, "on_demand_price": 3.06}]
+    spec = job_spec(spot={"instance_types": types})
+    async with simulated(ts_env.client, cloud=SimulatedCloud(spot_price=0.5)) as sim:
+        result = await (await sim.start(spec)).result()
+    assert result.cost["spot"] == pytest.approx(0.5 * result.node_hours["spot"], rel=1e-3)
+    assert result.savings == pytest.approx(1 - 0.5 / 3.06, rel=1e-3)
+
+
+async def test_a_launch_that_cannot_work_fails_the_job_with_the_reason(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """Bad credentials or an unknown instance type will not heal by retrying: the job fails
+    at once with the provider's message, and nothing is left behind."""
+
+    class Misconfigured(SimulatedCloud):
+        @activity.defn(name=contract.LAUNCH_NODE)
+        def launch_node(self, req: LaunchRequest) -> NodeInfo:
+            raise ApplicationError(
+                "InvalidInstanceType.NotFound: p3.2xlarge is not offered",
+                type=contract.CONFIG_ERROR,
+                non_retryable=True,
+            )
+
+    async with simulated(ts_env.client, cloud=Misconfigured()) as sim:
+        handle = await sim.start(job_spec())
+        with pytest.raises(WorkflowFailureError) as failure:
+            await handle.result()
+    assert "InvalidInstanceType.NotFound" in str(failure.value.cause)
+    assert sim.cloud.running() == [] and sim.runtime.running_generations(handle.id) == []
 
 
 async def test_total_gpus_are_packed_onto_node_shapes(ts_env: WorkflowEnvironment) -> None:
