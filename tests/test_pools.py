@@ -209,3 +209,23 @@ async def test_shrinking_keeps_the_on_demand_base(dev_env: WorkflowEnvironment) 
     assert len(given_back) == 2 and all(d.startswith("spot ") for d in given_back), given_back
     assert sim.cloud.peak({low.id, high.id}) <= 4
     assert ledger.peak["nodes"] <= 4
+
+
+async def test_a_terminated_holder_is_struck_off_while_others_queue(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    """Terminate runs no cleanup, so the job never says it left: the pool notices when it
+    checks its holders (while someone queues) and hands the share on. (`spotrain gc` reaps
+    the nodes the terminated job left.)"""
+    name = new_pool()
+    async with simulated(dev_env.client, runtime=runtime()) as sim:
+        pool = await sim.start_pool(name=name, max_nodes=2, liveness_check_s=1)
+        first = await sim.start(pooled(name, 10**6, 2, 2))
+        await until(sim, first, running_at(2))
+        second = await sim.start(pooled(name, 100, 2, 2))
+        await until_pool(pool, lambda p: state(p, second.id) == "queued")
+        await first.terminate("gone without cleanup")
+        result = await second.result()
+        final = await until_pool(pool, lambda p: not p.jobs)
+    assert result.phase == "Succeeded"
+    assert in_order(final, ("gone", first.id), ("admit", second.id))

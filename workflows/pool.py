@@ -321,7 +321,7 @@ class CapacityPool:
         self.s.next_seq += 1
         await self._send(m.report.job, msg)
 
-    async def _send(self, job: str, grant: PoolGrant) -> bool:
+    async def _send(self, job: str, grant: PoolGrant) -> None:
         """Signal the job; a job that has ended is struck off (its nodes are released)."""
         try:
             await workflow.get_external_workflow_handle(job).signal("grant", grant)
@@ -330,8 +330,6 @@ class CapacityPool:
                 del self.s.members[job]
                 self.s.record(workflow.now(), "gone", f"{job}: {err.message}")
                 self._dirty = True
-            return False
-        return True
 
     def _liveness_timeout(self) -> timedelta | None:
         """While someone queues, holders are checked now and then: a job that was terminated
