@@ -79,7 +79,7 @@ class NotifiedRuntime(SimulatedRuntime):
         return None
 
 
-def job_spec(name: str) -> dict[str, Any]:
+def job_spec(name: str, progress_s: float) -> dict[str, Any]:
     return {
         "name": name,
         "command": ["simulated"],
@@ -91,8 +91,8 @@ def job_spec(name: str) -> dict[str, Any]:
             "graceful_shutdown_timeout_s": 5,
             "scaling_timeout_s": 1,
             "faulty_scale_down_timeout_s": 3,
-            "capacity_check_interval_s": 30,
-            "progress_report_interval_s": 10,
+            "capacity_check_interval_s": max(30.0, progress_s),
+            "progress_report_interval_s": progress_s,
             "stall_timeout_s": 120,
         },
         "spot": {
@@ -124,7 +124,7 @@ async def until(check: Any, timeout_s: float, what: str) -> None:
 
 
 async def one_size(
-    jobs: int, duration_s: float, reclaim_every_s: float, suggest_can: int
+    jobs: int, duration_s: float, reclaim_every_s: float, suggest_can: int, progress_s: float
 ) -> dict[str, Any]:
     async with dev_server(f"limit.historyCount.suggestContinueAsNew={suggest_can}") as env:
         client = env.client
@@ -145,7 +145,7 @@ async def one_size(
                     await asyncio.gather(
                         *(
                             client.start_workflow(
-                                "TrainingJob", job_spec(n), id=n, task_queue=queue
+                                "TrainingJob", job_spec(n, progress_s), id=n, task_queue=queue
                             )
                             for n in names[start : start + 50]
                         )
@@ -160,7 +160,7 @@ async def one_size(
                 reclaims = await reclaim_steadily(
                     client, runtime, names, duration_s, reclaim_every_s
                 )
-                await until(lambda: not runtime.signalled, 60, "the last reactions")
+                await until(lambda: not runtime.signalled, 60 + jobs * 0.3, "the last reactions")
                 cpu = time.process_time() - cpu_before
                 elapsed = time.monotonic() - began
                 runs = await history_events(client, names)
@@ -221,13 +221,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--duration-s", type=float, default=120.0, help="reclaiming this long")
     p.add_argument("--reclaim-every-s", type=float, default=30.0, help="per job")
     p.add_argument("--suggest-can", type=int, default=500, help="server's continue-as-new hint")
+    p.add_argument(
+        "--progress-s", type=float, default=10.0, help="each job's progress report interval"
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     logging.getLogger("temporalio").setLevel(logging.ERROR)
     rows = []
     for jobs in args.jobs or [100, 1000]:
         rows.append(
-            asyncio.run(one_size(jobs, args.duration_s, args.reclaim_every_s, args.suggest_can))
+            asyncio.run(
+                one_size(
+                    jobs, args.duration_s, args.reclaim_every_s, args.suggest_can, args.progress_s
+                )
+            )
         )
         print(table(rows[-1:], COLUMNS), file=sys.stderr, flush=True)  # progress
     report = {"setup": vars(args) | {"out": str(args.out)}, "rows": rows}

@@ -847,7 +847,6 @@ class TrainingJob:
         spec, pool = s.spec, s.spec.pool
         assert pool is not None
         types = spec.spot.instance_types
-        on_demand_price = max(t.on_demand_price for t in types)
         alive = [n for n in s.nodes if n.alive]
         on_demand_cap = spec.elastic.max_nodes if spec.on_demand.fallback else 0
         if spec.on_demand.max_nodes is not None:
@@ -865,7 +864,7 @@ class TrainingJob:
             if spec.total_gpus is None
             else max(t.gpus for t in types),
             spot_price=max(t.spot_price or t.on_demand_price for t in types),
-            on_demand_price=on_demand_price,
+            on_demand_price=max(t.on_demand_price for t in types),
             min_on_demand=spec.on_demand.base_nodes,
             max_on_demand=max(spec.on_demand.base_nodes, on_demand_cap),
             all_on_demand=not spec.spot.enabled,
