@@ -47,7 +47,7 @@ from spotrain.workers.connect import TASK_QUEUE, connect
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
 from spotrain.workflows import attributes
 from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut
-from spotrain.workflows.pool import PoolConfig, PoolStatus, pool_workflow_id
+from spotrain.workflows.pool import POOL_ID_PREFIX, PoolConfig, PoolStatus, pool_workflow_id
 from spotrain.workflows.spec import SpecError, describe_errors, parse_spec
 from spotrain.workflows.state import JobResult, JobStatus, Phase, TimelineEntry
 
@@ -440,8 +440,8 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"applied": args.apply, "orphans": rows, "processes": procs})
         return OK
-    verb = "terminated" if args.apply else "orphans (dry run: --apply to reap)"
-    table = Table("instance", "job", "state", "type", "zone", "launched", title=verb)
+    title = "terminated" if args.apply else "orphans (dry run: --apply to reap)"
+    table = Table("instance", "job", "state", "type", "zone", "launched", title=title)
     for r in rows:
         table.add_row(*(str(v) for v in r.values()))
     out.print(table if rows else "no orphaned instances")
@@ -527,8 +527,8 @@ async def pool_handle(name: str) -> WorkflowHandle[Any, Any]:
     return (await client()).get_workflow_handle(pool_workflow_id(name))
 
 
-async def query_pool(name: str) -> PoolStatus:
-    handle = await pool_handle(name)
+async def query_pool(handle: WorkflowHandle[Any, Any]) -> PoolStatus:
+    name = handle.id.removeprefix(POOL_ID_PREFIX)
     try:
         return await handle.query("status", result_type=PoolStatus, rpc_timeout=RPC_TIMEOUT)
     except RPCError as e:
@@ -561,9 +561,9 @@ async def cmd_pool_create(args: argparse.Namespace) -> int:
 
 
 async def cmd_pool_set(args: argparse.Namespace) -> int:
-    current = await query_pool(args.name)
-    config = pool_config(args, current.config.model_dump())
     handle = await pool_handle(args.name)
+    current = await query_pool(handle)
+    config = pool_config(args, current.config.model_dump())
     try:
         message = await handle.execute_update("configure", config, result_type=str)
     except WorkflowUpdateFailedError as e:
@@ -607,7 +607,7 @@ def pool_view(p: PoolStatus) -> Group:
 
 
 async def cmd_pool_status(args: argparse.Namespace) -> int:
-    p = await query_pool(args.name)
+    p = await query_pool(await pool_handle(args.name))
     emit_json(p.model_dump(mode="json")) if args.json else out.print(pool_view(p))
     return OK
 
@@ -618,7 +618,7 @@ async def cmd_pool_list(args: argparse.Namespace) -> int:
     async for wf in (await client()).list_workflows(query):
         rows.append(
             {
-                "name": wf.id.removeprefix("pool:"),
+                "name": wf.id.removeprefix(POOL_ID_PREFIX),
                 "task_queue": wf.task_queue,
                 "started": wf.start_time.isoformat(),
             }

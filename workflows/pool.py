@@ -33,9 +33,11 @@ HISTORY_EVENTS_BEFORE_CONTINUE = 8000
 TIMELINE_KEPT = 200
 
 
+POOL_ID_PREFIX = "pool:"  # job names are DNS labels: a pool's id never collides with a job's
+
+
 def pool_workflow_id(name: str) -> str:
-    """Job names are DNS labels, so `pool:` ids never collide with a job's."""
-    return f"pool:{name}"
+    return POOL_ID_PREFIX + name
 
 
 class PoolConfig(Message):
