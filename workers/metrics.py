@@ -6,7 +6,7 @@ spotrain's figures are read from the jobs themselves (`status` query of every ru
 every `interval_s`): they stay right across worker restarts and need nothing in the workflow.
 
     runtime = setup(prometheus="0.0.0.0:9464", json_logs=True)   # before connect()
-    asyncio.create_task(collect(client, JobMetrics(runtime.metric_meter)))
+    asyncio.create_task(collect(client, JobMetrics(runtime.metric_meter), task_queue))
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from temporalio.client import Client
 from temporalio.common import MetricMeter
@@ -103,23 +103,40 @@ class JobMetrics:
         self.cost_rate.set(rate)
 
 
-async def running_statuses(client: Client) -> list[JobStatus]:
-    query = "WorkflowType = 'TrainingJob' AND ExecutionStatus = 'Running'"
+async def running_statuses(client: Client, task_queue: str) -> list[JobStatus]:
+    """The `status` of every running job this worker's task queue serves, asked all at once
+    with a short deadline: one job that cannot answer does not hold up the rest."""
+    query = (
+        f"WorkflowType = 'TrainingJob' AND ExecutionStatus = 'Running' "
+        f"AND TaskQueue = '{task_queue}'"
+    )
+    handles = [
+        client.get_workflow_handle(wf.id, run_id=wf.run_id)
+        async for wf in client.list_workflows(query)
+    ]
+    answers = await asyncio.gather(
+        *(
+            h.query("status", result_type=JobStatus, rpc_timeout=timedelta(seconds=5))
+            for h in handles
+        ),
+        return_exceptions=True,
+    )
     statuses = []
-    async for wf in client.list_workflows(query):
-        try:
-            handle = client.get_workflow_handle(wf.id, run_id=wf.run_id)
-            statuses.append(await handle.query("status", result_type=JobStatus))
-        except Exception as e:  # a job that cannot answer now is counted next time
-            log.warning("metrics: no status from %s: %s", wf.id, e)
+    for handle, answer in zip(handles, answers, strict=True):
+        if isinstance(answer, JobStatus):
+            statuses.append(answer)
+        else:  # a job that cannot answer now is counted next time
+            log.warning("metrics: no status from %s: %s", handle.id, answer)
     return statuses
 
 
-async def collect(client: Client, metrics: JobMetrics, interval_s: float = 15.0) -> None:
+async def collect(
+    client: Client, metrics: JobMetrics, task_queue: str, interval_s: float = 15.0
+) -> None:
     """Refresh spotrain's metrics until cancelled; a failed round is logged, not fatal."""
     while True:
         try:
-            metrics.observe(await running_statuses(client))
+            metrics.observe(await running_statuses(client, task_queue))
         except Exception as e:
             log.warning("metrics: collection failed: %s", e)
         await asyncio.sleep(interval_s)

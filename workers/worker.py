@@ -144,7 +144,10 @@ async def serve(args: argparse.Namespace, runtime: Runtime) -> None:
     collector = (
         asyncio.create_task(
             metrics.collect(
-                client, metrics.JobMetrics(runtime.metric_meter), args.metrics_interval_s
+                client,
+                metrics.JobMetrics(runtime.metric_meter),
+                args.task_queue,
+                args.metrics_interval_s,
             )
         )
         if args.metrics
