@@ -138,7 +138,7 @@ async def simulated(
 
 
 async def polled(
-    fetch: Callable[[], Awaitable[M]], check: Callable[[M], bool], timeout: float = 30
+    fetch: Callable[[], Awaitable[M]], check: Callable[[M], bool], timeout: float = 60
 ) -> M:
     """Poll a query (`fetch`) until `check` holds on its answer."""
     deadline = time.monotonic() + timeout
@@ -155,7 +155,7 @@ async def until(
     sim: Sim,
     handle: WorkflowHandle[Any, Any],
     check: Callable[[JobStatus], bool],
-    timeout: float = 30,
+    timeout: float = 60,
 ) -> JobStatus:
     """Poll the job's `status` query until `check` holds."""
     return await polled(lambda: sim.status(handle), check, timeout)

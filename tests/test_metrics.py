@@ -70,7 +70,7 @@ async def test_worker_serves_sdk_and_job_metrics_and_json_logs(
     )
     handle = await dev_env.client.start_workflow("TrainingJob", spec, id=name, task_queue=queue)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # generous: CI runs two test processes at once
         while True:
             status = await handle.query("status", result_type=JobStatus)
             if status.phase == "Running" and status.step >= 20:
@@ -84,7 +84,7 @@ async def test_worker_serves_sdk_and_job_metrics_and_json_logs(
             values = scrape(address)
             if values.get("spotrain_reclaims", 0) >= 1:
                 break
-            assert time.monotonic() < deadline + 30, values
+            assert time.monotonic() < deadline + 60, values
             await asyncio.sleep(0.3)
     finally:
         await handle.cancel()

@@ -46,7 +46,7 @@ def pooled(pool: str, steps: int, lo: int, hi: int, priority: int = 0, **pool_op
 
 
 async def until_pool(
-    pool: Handle, check: Callable[[PoolStatus], bool], timeout: float = 30
+    pool: Handle, check: Callable[[PoolStatus], bool], timeout: float = 60
 ) -> PoolStatus:
     return await polled(lambda: pool.query("status", result_type=PoolStatus), check, timeout)
 

@@ -61,10 +61,10 @@ async def test_capacity_follows_the_trace(moto_endpoint: str, tmp_path: Path) ->
         first, second = launch_spot(ec2), launch_spot(ec2)
         with pytest.raises(ClientError, match="InsufficientInstanceCapacity"):
             launch_spot(ec2)  # the zone is full
-        for _ in range(100):  # capacity falls to 1 at tick 4: the newest node goes
+        for _ in range(200):  # capacity falls to 1 at tick 4: the newest node goes
             state = ec2.describe_instances(InstanceIds=[second])["Reservations"][0]["Instances"][0]
-            if state["State"]["Name"] == "terminated":
-                break
+            if state["State"]["Name"] == "terminated" and len(received) >= 2:
+                break  # (the state-change notice is posted once the instance is terminated)
             await asyncio.sleep(0.05)
         assert state["StateReason"]["Code"] == "Server.SpotInstanceTermination"
         oldest = ec2.describe_instances(InstanceIds=[first])["Reservations"][0]["Instances"][0]

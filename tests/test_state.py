@@ -52,3 +52,17 @@ def test_pruning_keeps_every_total() -> None:
     hours, cost, all_on_demand = expected
     assert hours == {"spot": 2 + 10, "on-demand": 3 + 1}
     assert abs(cost["on-demand"] - 4 * 3.06) < 1e-9 and abs(all_on_demand - 16 * 3.06) < 1e-9
+
+
+def test_pruning_keeps_the_last_generations_members() -> None:
+    """A job that continues as new between generations plans the next one from the last
+    one's members, gone ones included: they stay on record, and are counted once."""
+    state = JobState.new(parse_spec(job_spec()))
+    now = T0 + timedelta(hours=10)
+    state.nodes = [node(0, "spot", 2, True), node(1, "spot", 3, True), node(2, "spot", 0, False)]
+    state.members = [1, 2]  # slot 1 was lost; the generation stopped
+    before = state.costs(now)
+    state.prune(now)
+    assert [n.slot for n in state.nodes] == [1, 2]
+    assert [n.slot for n in state.member_nodes] == [1, 2]
+    assert flat(state.costs(now)) == pytest.approx(flat(before))

@@ -169,14 +169,18 @@ class JobState(BaseModel):
 
     def prune(self, now: datetime) -> None:
         """Fold ended nodes into the `retired` totals (which accumulate), so that state, and
-        every activation, stays small however many reclaims a long job survives."""
-        hours, cost, all_on_demand = self.costs(now, [n for n in self.nodes if not n.alive])
+        every activation, stays small however many reclaims a long job survives. The last
+        generation's members stay on record even if gone: the next generation is planned
+        from them (rank order, the world size it replaces)."""
+        kept = [n for n in self.nodes if n.alive or n.slot in self.members]
+        ended = [n for n in self.nodes if n not in kept]
+        hours, cost, all_on_demand = self.costs(now, ended)
         self.retired = {
             **{f"hours:{k}": v for k, v in hours.items()},
             **{f"cost:{k}": v for k, v in cost.items()},
             "all_on_demand": all_on_demand,
         }
-        self.nodes = [n for n in self.nodes if n.alive]
+        self.nodes = kept
 
     def costs(
         self, now: datetime, nodes: list[NodeRecord] | None = None
