@@ -105,6 +105,17 @@ def _launch_mode(value: str) -> Literal["instances", "fleet"]:
     return value  # type: ignore[return-value]
 
 
+def _pairs(setting: str, key: str, value: str) -> dict[str, str]:
+    """A "key=value,key=value" setting, e.g. SPOTRAIN_SUBNETS's zone=subnet-id pairs."""
+    pairs = {}
+    for pair in filter(None, value.split(",")):
+        k, sep, v = pair.partition("=")
+        if not sep:
+            raise ValueError(f"{setting}: expected {key}=id, got {pair!r}")
+        pairs[k.strip()] = v.strip()
+    return pairs
+
+
 def client_token(job: str, slot: int, attempt: int) -> str:
     """Stable across retries of one launch, distinct per (job, slot, attempt); max 64 chars."""
     digest = hashlib.sha256(f"{job}/{slot}/{attempt}".encode()).hexdigest()
@@ -196,7 +207,8 @@ def _typed_errors() -> Iterator[None]:
 class EC2Provider:
     """The node provider activities over EC2.
 
-    `ami`: image id (against a local endpoint such as moto, a stock image when unset).
+    `amis`: image id per region, "*" for any region (AMI ids are regional; against a local
+    endpoint such as moto, a stock image when unset).
     `launch_mode`: "instances" (one `run_instances` per pool, the workflow moving from pool
     to pool), or "fleet" (an instant EC2 Fleet over all the pools at once; needs
     `launch_template`).
@@ -211,7 +223,7 @@ class EC2Provider:
         region: str = "us-east-1",
         endpoint_url: str | None = None,
         *,
-        ami: str | None = None,
+        amis: Mapping[str, str] | None = None,
         launch_template: str | None = None,
         subnets: Mapping[str, str] | None = None,
         ready_timeout_s: float = 600.0,
@@ -221,7 +233,7 @@ class EC2Provider:
         self.region = region
         self.launch_mode = launch_mode
         self.endpoint_url = endpoint_url
-        self.ami = ami
+        self.amis = dict(amis or {})
         self.launch_template = launch_template
         self.subnets = dict(subnets or {})
         self.ready_timeout_s = ready_timeout_s
@@ -234,21 +246,18 @@ class EC2Provider:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> EC2Provider:
         """The worker's configuration: SPOTRAIN_EC2_ENDPOINT (a local endpoint such as moto),
-        SPOTRAIN_AMI, SPOTRAIN_LAUNCH_TEMPLATE, SPOTRAIN_SUBNETS ("zone=subnet-id,..."),
+        SPOTRAIN_AMI (an id, or "region=ami-id,..." when the job spans regions),
+        SPOTRAIN_LAUNCH_TEMPLATE, SPOTRAIN_SUBNETS ("zone=subnet-id,..."),
         SPOTRAIN_EC2_LAUNCH ("instances", the default, or "fleet").
         Region and credentials: boto3's chain (AWS_REGION, AWS_PROFILE, instance role...)."""
-        subnets = {}
-        for pair in filter(None, env.get("SPOTRAIN_SUBNETS", "").split(",")):
-            zone, sep, subnet = pair.partition("=")
-            if not sep:
-                raise ValueError(f"SPOTRAIN_SUBNETS: expected zone=subnet-id, got {pair!r}")
-            subnets[zone.strip()] = subnet.strip()
+        ami = env.get("SPOTRAIN_AMI", "")
+        amis = _pairs("SPOTRAIN_AMI", "region", ami) if "=" in ami else {"*": ami}
         return cls(
             region=boto3.session.Session().region_name or "us-east-1",
             endpoint_url=env.get("SPOTRAIN_EC2_ENDPOINT") or None,
-            ami=env.get("SPOTRAIN_AMI") or None,
+            amis={region: image for region, image in amis.items() if image},
             launch_template=env.get("SPOTRAIN_LAUNCH_TEMPLATE") or None,
-            subnets=subnets,
+            subnets=_pairs("SPOTRAIN_SUBNETS", "zone", env.get("SPOTRAIN_SUBNETS", "")),
             launch_mode=_launch_mode(env.get("SPOTRAIN_EC2_LAUNCH") or "instances"),
         )
 
@@ -276,17 +285,20 @@ class EC2Provider:
         """
         if not policy.enabled:
             return []
-        ec2 = self.client(policy.region)
         types = {t.name: t for t in policy.instance_types}
-        with _typed_errors():
-            zone_ids = _zones(ec2)
-            prices = self._spot_prices(ec2, list(types), policy.zones or list(zone_ids))
-        scores = self._placement_scores(ec2, list(types), policy.region, zone_ids)
-        offers = [
-            Offer(instance_type=name, zone=zone, price=price, score=scores.get(zone))
-            for (name, zone), price in prices.items()
-            if price <= (policy.max_price or types[name].on_demand_price)
-        ]
+        offers = []
+        for region in [policy.region, *policy.more_regions]:
+            ec2 = self.client(region)
+            with _typed_errors():
+                zone_ids = _zones(ec2)
+                zones = [z for z in policy.zones if z in zone_ids] if policy.zones else zone_ids
+                prices = self._spot_prices(ec2, list(types), list(zones))
+            scores = self._placement_scores(ec2, list(types), region, zone_ids)
+            offers += [
+                Offer(instance_type=name, zone=zone, price=price, score=scores.get(zone))
+                for (name, zone), price in prices.items()
+                if price <= (policy.max_price or types[name].on_demand_price)
+            ]
         offers.sort(
             key=lambda o: (-(o.score or 0.0), o.price / max(types[o.instance_type].gpus, 1))
         )
@@ -347,7 +359,7 @@ class EC2Provider:
         A node that dies before it runs (spot reclaimed at once, pending past the timeout)
         means this pool cannot serve: CAPACITY_ERROR, and the workflow moves on.
         """
-        ec2 = self.client(req.region)
+        ec2 = self.client(req.region_of(req.zone))
         launch = self._fleet if self.launch_mode == "fleet" else self._run
         with _typed_errors():
             instance = self._find_slot(ec2, req) or launch(ec2, req)
@@ -389,7 +401,7 @@ class EC2Provider:
             params["SubnetId"] = self.subnets[zone]
         if self.launch_template:
             params["LaunchTemplate"] = {"LaunchTemplateName": self.launch_template}
-        if self.launch_template is None or self.ami:
+        if self.launch_template is None or self.amis:
             params["ImageId"] = self._image(ec2)
         if req.lifecycle == "spot":  # on-demand gets no market options at all
             spot: dict[str, Any] = {
@@ -413,14 +425,16 @@ class EC2Provider:
                 type=contract.CONFIG_ERROR,
                 non_retryable=True,
             )
-        pools = [(req.instance_type, req.zone or min(_zones(ec2))), *req.fallback_pools]
+        region = req.region_of(req.zone)  # a fleet is regional: other regions' pools stay out
+        others = [(t, z) for t, z in req.fallback_pools if req.region_of(z) == region]
+        pools = [(req.instance_type, req.zone or min(_zones(ec2))), *others]
         overrides = []
         for itype, zone in pools:
             override: dict[str, Any] = {"InstanceType": itype, "AvailabilityZone": zone}
             if zone in self.subnets:
                 override["SubnetId"] = self.subnets[zone]
-            if self.ami:
-                override["ImageId"] = self.ami
+            if self.amis:
+                override["ImageId"] = self._image(ec2)
             if req.lifecycle == "spot" and req.max_price is not None:
                 override["MaxPrice"] = f"{req.max_price:.5f}"
             overrides.append(override)
@@ -455,17 +469,19 @@ class EC2Provider:
         return instance
 
     def _image(self, ec2: Any) -> str:
-        """The configured AMI; against a local endpoint (moto) a stock image, resolved once."""
-        if self.ami is None:
+        """The region's configured AMI; against a local endpoint (moto) a stock image, resolved
+        once per region."""
+        region = ec2.meta.region_name
+        if region not in self.amis and "*" not in self.amis:
             if self.endpoint_url is None:
                 raise ApplicationError(
-                    "no AMI configured: set SPOTRAIN_AMI or a launch template",
+                    f"no AMI configured for {region}: set SPOTRAIN_AMI or a launch template",
                     type=contract.CONFIG_ERROR,
                     non_retryable=True,
                 )
             images = ec2.describe_images(Filters=[{"Name": "name", "Values": [LOCAL_AMI_NAME]}])
-            self.ami = images["Images"][0]["ImageId"]
-        return self.ami
+            self.amis[region] = images["Images"][0]["ImageId"]
+        return self.amis.get(region) or self.amis["*"]
 
     def _wait_ready(self, ec2: Any, instance_id: str) -> NodeInfo:
         """Poll (heartbeating) until the instance runs; CAPACITY_ERROR if it never will."""
@@ -510,12 +526,7 @@ class EC2Provider:
         API errors raise (and are retried): a flapping API never makes a node look gone.
         """
         with _typed_errors():
-            found = {
-                i["InstanceId"]: _node(i)
-                for i in _instances(
-                    self.client(req.region), [{"Name": f"tag:{TAG_JOB}", "Values": [req.job]}]
-                )
-            }
+            found = {i["InstanceId"]: _node(i) for _, i in self._job_instances(req)}
         if not req.node_ids:
             return list(found.values())
         return [
@@ -537,21 +548,30 @@ class EC2Provider:
         """Terminate the job's nodes among `node_ids` and wait until EC2 confirms they are
         shutting down. Only instances tagged with this job are touched; unknown ids are fine.
         Returns the asked ids that belong to the job (all confirmed gone), idempotently."""
-        ec2 = self.client(req.region)
         asked = set(req.node_ids)
         while True:
             activity.heartbeat()
             with _typed_errors():
-                owned = [
-                    i
-                    for i in _instances(ec2, [{"Name": f"tag:{TAG_JOB}", "Values": [req.job]}])
-                    if i["InstanceId"] in asked
-                ]
-                live = [i["InstanceId"] for i in owned if i["State"]["Name"] in LIVE_STATES]
+                owned = [(r, i) for r, i in self._job_instances(req) if i["InstanceId"] in asked]
+                live: dict[str, list[str]] = {}
+                for region, i in owned:
+                    if i["State"]["Name"] in LIVE_STATES:
+                        live.setdefault(region, []).append(i["InstanceId"])
                 if not live:
-                    return [i["InstanceId"] for i in owned]
-                ec2.terminate_instances(InstanceIds=live)
+                    return [i["InstanceId"] for _, i in owned]
+                for region, ids in live.items():
+                    self.client(region).terminate_instances(InstanceIds=ids)
             time.sleep(POLL_S / 4)
+
+    def _job_instances(
+        self, req: DescribeRequest | ReleaseRequest
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(region, instance) for every instance tagged with the job, in each of its regions."""
+        for region in req.regions:
+            for i in _instances(
+                self.client(region), [{"Name": f"tag:{TAG_JOB}", "Values": [req.job]}]
+            ):
+                yield region, i
 
 
 # --- gc: the reaper behind `spotrain gc` ---------------------------------------------------

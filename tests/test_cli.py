@@ -255,12 +255,13 @@ async def test_gc_lists_then_terminates_orphans_only(
     cli: Cli, moto_endpoint: str, tmp_path: Path
 ) -> None:
     ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=moto_endpoint)
+    west = boto3.client("ec2", region_name="us-west-2", endpoint_url=moto_endpoint)
     live_job = fast_spec(total_steps=100_000)
     assert (await cli("submit", str(write(tmp_path, live_job)))).code == 0
 
-    def launch(job: str) -> str:
+    def launch(job: str, client: Any = ec2) -> str:
         tags = [{"Key": MANAGED, "Value": "true"}, {"Key": TAG_JOB, "Value": job}]
-        return ec2.run_instances(
+        return client.run_instances(
             ImageId="ami-12c6146b",
             MinCount=1,
             MaxCount=1,
@@ -268,12 +269,16 @@ async def test_gc_lists_then_terminates_orphans_only(
         )["Instances"][0]["InstanceId"]
 
     orphan, kept = launch(f"gone-{uuid.uuid4().hex[:6]}"), launch(live_job["name"])
+    west_orphan = launch(f"gone-{uuid.uuid4().hex[:6]}", west)
     r = await cli("gc", "--apply", TEMPORAL_ADDRESS="127.0.0.1:1")
     assert r.code == 3, r
     dry = (await cli("gc", "--json")).json()
     assert dry["applied"] is False
     ids = [o["instance_id"] for o in dry["orphans"]]
-    assert orphan in ids and kept not in ids
+    assert orphan in ids and kept not in ids and west_orphan not in ids  # home region only
+    both = ["--region", "us-east-1", "--region", "us-west-2"]
+    ids = [o["instance_id"] for o in (await cli("gc", "--json", *both)).json()["orphans"]]
+    assert {orphan, west_orphan} <= set(ids) and kept not in ids
     assert set(dry["orphans"][0]) == {
         "instance_id",
         "job",
@@ -282,13 +287,15 @@ async def test_gc_lists_then_terminates_orphans_only(
         "zone",
         "launched",
     }
-    assert (await cli("gc", "--apply")).code == 0
+    assert (await cli("gc", "--apply", *both)).code == 0
     states = {
         i["InstanceId"]: i["State"]["Name"]
-        for res in ec2.describe_instances(InstanceIds=[orphan, kept])["Reservations"]
+        for client, asked in ((ec2, [orphan, kept]), (west, [west_orphan]))
+        for res in client.describe_instances(InstanceIds=asked)["Reservations"]
         for i in res["Instances"]
     }
-    assert states[orphan] in ("shutting-down", "terminated") and states[kept] == "running"
+    gone = ("shutting-down", "terminated")
+    assert states[orphan] in gone and states[west_orphan] in gone and states[kept] == "running"
     assert (await cli("cancel", live_job["name"])).code == 0
 
 

@@ -33,6 +33,7 @@ from temporalio.worker import Worker
 
 from spotrain.activities import ec2 as ec2_mod
 from spotrain.activities.ec2 import EC2Provider, client_token, reap
+from spotrain.workers.worker import WORKFLOWS
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     DescribeRequest,
@@ -42,7 +43,9 @@ from spotrain.workflows.contract import (
     ReleaseRequest,
 )
 from spotrain.workflows.spec import InstanceType, SpotPolicy
+from spotrain.workflows.state import JobResult, JobStatus
 from tests.ec2_support import ServiceUnavailable, ec2_error, first_n, inject, reclaim
+from tests.jobs import fast_runtime, fast_spec, polled
 
 ENV = ActivityEnvironment()
 POLICY = Path(__file__).resolve().parent.parent / "infra" / "aws" / "iam-policy.json"
@@ -483,6 +486,40 @@ def test_spot_disabled_means_no_offers(provider: EC2Provider) -> None:
     assert ENV.run(provider.find_offers, policy(enabled=False)) == []
 
 
+def test_more_regions_offer_launch_track_and_release_across_regions(
+    provider: EC2Provider, job: str
+) -> None:
+    """A job whose spot pools span two regions: offers come from both, a node lands in its
+    zone's region, and describe/release find it there (the home region alone would not)."""
+    two = policy(more_regions=["us-west-2"], zones=["us-east-1a", "us-west-2a"])
+    assert {o.zone for o in ENV.run(provider.find_offers, two)} == {"us-east-1a", "us-west-2a"}
+
+    where = {"region": "us-east-1", "more_regions": ["us-west-2"]}
+    west = launch(provider, spot(job, zone="us-west-2a", **where))
+    east = launch(provider, spot(job, slot=1, zone="us-east-1a", **where))
+    assert (west.zone, east.zone) == ("us-west-2a", "us-east-1a")
+    in_west = ec2_mod._instances(
+        provider.client("us-west-2"), [{"Name": "tag:spotrain:job", "Values": [job]}]
+    )
+    assert [i["InstanceId"] for i in in_west] == [west.node_id]
+    assert live(provider, job) == [east.node_id]  # the home region holds only its own
+
+    ids = [west.node_id, east.node_id]
+    described = ENV.run(provider.describe_nodes, DescribeRequest(job=job, node_ids=ids, **where))
+    assert [n.state for n in described] == ["ready", "ready"]
+    home_only = ENV.run(provider.describe_nodes, DescribeRequest(job=job, node_ids=ids))
+    assert [n.reason for n in home_only] == ["not-found", None]
+
+    released = ENV.run(provider.release_nodes, ReleaseRequest(job=job, node_ids=ids, **where))
+    assert sorted(released) == sorted(ids)
+    west_state = provider.client("us-west-2").describe_instances(InstanceIds=[west.node_id])
+    assert west_state["Reservations"][0]["Instances"][0]["State"]["Name"] in {
+        "shutting-down",
+        "terminated",
+    }
+    assert live(provider, job) == []
+
+
 # --- configuration and IAM -------------------------------------------------------------------
 
 
@@ -497,14 +534,18 @@ def test_from_env() -> None:
     assert EC2Provider.from_env({"SPOTRAIN_EC2_LAUNCH": "fleet"}).launch_mode == "fleet"
     with pytest.raises(ValueError, match="SPOTRAIN_EC2_LAUNCH"):
         EC2Provider.from_env({"SPOTRAIN_EC2_LAUNCH": "fleets"})
-    assert (provider.endpoint_url, provider.ami, provider.launch_template) == (
+    assert (provider.endpoint_url, provider.amis, provider.launch_template) == (
         "http://127.0.0.1:5000",
-        "ami-12345678",
+        {"*": "ami-12345678"},
         None,
     )
     assert provider.subnets == {"us-east-1a": "subnet-a", "us-east-1b": "subnet-b"}
-    with pytest.raises(ValueError, match="zone=subnet-id"):
+    with pytest.raises(ValueError, match="zone=id"):
         EC2Provider.from_env({"SPOTRAIN_SUBNETS": "subnet-a"})
+    regional = EC2Provider.from_env({"SPOTRAIN_AMI": "us-east-1=ami-1, us-west-2=ami-2"})
+    assert regional.amis == {"us-east-1": "ami-1", "us-west-2": "ami-2"}
+    with pytest.raises(ValueError, match="region=id"):
+        EC2Provider.from_env({"SPOTRAIN_AMI": "us-east-1=ami-1,ami-2"})
 
 
 def test_iam_policy_is_valid_and_allows_every_call_the_provider_makes(
@@ -603,3 +644,50 @@ async def test_activities_through_temporal(
         "released:1",
     ]
     assert live(provider, job) == []
+
+
+async def test_training_job_across_regions_recovers_a_reclaim_and_leaks_nothing(
+    dev_env: WorkflowEnvironment, provider: EC2Provider
+) -> None:
+    """A TrainingJob (simulated workers) whose spot pools are only in its second region: its
+    nodes are bought there, a node reclaimed there is noticed (no webhook: the job's own check
+    describes it) and replaced there, and nothing is left running in either region."""
+    spec = fast_spec(
+        total_steps=300,
+        elastic={"min_nodes": 2, "max_nodes": 2},
+        spot={
+            "instance_types": [{"name": "g5.xlarge", "gpus": 1, "on_demand_price": 1.0}],
+            "more_regions": ["us-west-2"],
+            "zones": ["us-west-2a", "us-west-2b"],
+        },
+        on_demand={"fallback": False},
+    )
+    name, queue = spec["name"], f"regions-{spec['name']}"
+    with ThreadPoolExecutor(8) as pool:
+        async with Worker(
+            dev_env.client,
+            task_queue=queue,
+            workflows=WORKFLOWS,
+            activities=provider.activities() + fast_runtime().activities(),
+            activity_executor=pool,
+        ):
+            handle = await dev_env.client.start_workflow(
+                "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
+            )
+            status = await polled(
+                lambda: handle.query("status", result_type=JobStatus),
+                lambda s: s.phase == "Running" and s.step > 50,
+            )
+            first = next(n.node_id for n in status.nodes if n.state == "ready")
+            assert first is not None
+            reclaim(first, "us-west-2")
+            result = await handle.result()
+    assert result.phase == "Succeeded" and result.steps_done == 300, result.failure
+    assert result.faults + result.reclaims >= 1 and result.generations >= 2
+    ready = [e.detail for e in result.timeline if e.event == "node ready"]
+    assert len(ready) >= 3 and all(d.startswith("spot g5.xlarge us-west-2") for d in ready), ready
+    for region in ("us-east-1", "us-west-2"):
+        owned = ec2_mod._instances(
+            provider.client(region), [{"Name": "tag:spotrain:job", "Values": [name]}]
+        )
+        assert [i for i in owned if i["State"]["Name"] in ec2_mod.LIVE_STATES] == [], region

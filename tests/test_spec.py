@@ -62,6 +62,11 @@ def test_example_and_defaults() -> None:
             "elastic.typo_field: Extra inputs are not permitted",
         ),
         ({"tpye": "pytorch"}, "tpye: Extra inputs are not permitted"),
+        ({"spot": {"more_regions": ["us-west-2", "us-east-1"]}}, "more_regions repeats us-east-1"),
+        (
+            {"spot": {"zones": ["us-east-1a", "eu-west-1b"]}},
+            "spot: zones ['eu-west-1b'] are in none of the regions ['us-east-1']",
+        ),
         (
             {
                 "total_gpus": 15,

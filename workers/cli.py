@@ -418,10 +418,16 @@ async def cmd_gc(args: argparse.Namespace) -> int:
                 return False
             raise
 
-    ec2 = EC2Provider.from_env().client(args.region)
+    provider = EC2Provider.from_env()
     local = LocalRuntime(args.state_dir or DEFAULT_STATE_DIR)
     try:
-        orphans = await asyncio.to_thread(reap, ec2, job_running, args.apply)
+        orphans = [
+            orphan
+            for region in args.region or [provider.region]
+            for orphan in await asyncio.to_thread(
+                reap, provider.client(region), job_running, args.apply
+            )
+        ]
         processes = await asyncio.to_thread(local.reap, job_running, args.apply)
     except RPCError as e:
         raise rpc_error(e, None) from None
@@ -757,10 +763,14 @@ def parser() -> argparse.ArgumentParser:
         "gc",
         cmd_gc,
         "find (and with --apply reap) instances and local rank processes whose job is not running",
-        "  spotrain gc\n  spotrain gc --apply --region eu-west-1",
+        "  spotrain gc\n  spotrain gc --apply --region us-east-1 --region us-west-2",
     )
     c.add_argument("--apply", action="store_true", help="terminate (default: dry run)")
-    c.add_argument("--region", default=None)
+    c.add_argument(
+        "--region",
+        action="append",
+        help="a region to search; repeat for more (default: boto3's, e.g. AWS_REGION)",
+    )
     c.add_argument("--state-dir", type=Path, help="local runtime's (default ~/.spotrain)")
     c.add_argument("--json", action="store_true")
 

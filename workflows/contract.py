@@ -109,7 +109,25 @@ class Offer(Message):
     score: float | None = Field(None, description="spot placement score when the API has one")
 
 
-class LaunchRequest(Message):
+class Regional(Message):
+    """A provider call that may span the job's regions: the home `region` (where on-demand
+    nodes are bought) and the `more_regions` its spot pools may also come from."""
+
+    region: str = "us-east-1"
+    more_regions: list[str] = Field(default_factory=list)
+
+    @property
+    def regions(self) -> list[str]:
+        return [self.region, *self.more_regions]
+
+    def region_of(self, zone: str | None) -> str:
+        """The region a zone belongs to (zone names start with their region's:
+        us-west-2b, us-west-2-lax-1a); the home region for no zone or an unknown one."""
+        owners = [r for r in self.regions if zone and zone.startswith(r)]
+        return max(owners, key=len, default=self.region)
+
+
+class LaunchRequest(Regional):
     """One node for one slot. (job, slot, attempt) makes the launch idempotent."""
 
     job: str
@@ -120,7 +138,6 @@ class LaunchRequest(Message):
     instance_type: str
     zone: str | None = None
     max_price: float | None = None
-    region: str = "us-east-1"
     fallback_pools: list[tuple[str, str]] = Field(
         default_factory=list,
         description="other (type, zone) spot pools that would do, best first: a provider that "
@@ -141,16 +158,14 @@ class NodeInfo(Message):
     address: str = Field("127.0.0.1", description="where its workers are reachable")
 
 
-class DescribeRequest(Message):
+class DescribeRequest(Regional):
     job: str
     node_ids: list[str]
-    region: str = "us-east-1"
 
 
-class ReleaseRequest(Message):
+class ReleaseRequest(Regional):
     job: str
     node_ids: list[str]
-    region: str = "us-east-1"
 
 
 # --- worker runtime --------------------------------------------------------------------------

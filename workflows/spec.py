@@ -42,10 +42,28 @@ class SpotPolicy(Strict):
     """Where spot nodes may come from and what they may cost."""
 
     instance_types: list[InstanceType] = Field(min_length=1)
-    region: str = "us-east-1"
-    zones: list[str] = Field(default_factory=list, description="empty: any zone of the region")
+    region: str = Field("us-east-1", description="home region: on-demand nodes are bought here")
+    more_regions: list[str] = Field(
+        default_factory=list,
+        description="more regions whose spot pools may serve (the workers' network must span them)",
+    )
+    zones: list[str] = Field(default_factory=list, description="empty: any zone of the regions")
     max_price: float | None = Field(None, gt=0, description="USD per hour; default on-demand")
     enabled: bool = Field(True, description="false: run on on-demand nodes only")
+
+    @model_validator(mode="after")
+    def _regions(self) -> SpotPolicy:
+        regions = [self.region, *self.more_regions]
+        repeated = sorted({r for r in regions if regions.count(r) > 1})
+        if repeated:
+            raise ValueError(f"more_regions repeats {', '.join(repeated)}")
+        strays = [z for z in self.zones if not any(z.startswith(r) for r in regions)]
+        if strays:
+            raise ValueError(
+                f"zones {strays} are in none of the regions {regions}: add their region to "
+                "more_regions"
+            )
+        return self
 
 
 class OnDemandPolicy(Strict):

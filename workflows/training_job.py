@@ -1001,7 +1001,7 @@ class TrainingJob:
                         instance_type=itype,
                         zone=zone,
                         max_price=s.spec.spot.max_price if lifecycle == "spot" else None,
-                        region=s.spec.spot.region,
+                        **self._regions(),
                         fallback_pools=[(t, z) for t, z, lc in tries[i + 1 :] if lc == "spot" and z]
                         if lifecycle == "spot"
                         else [],
@@ -1064,12 +1064,17 @@ class TrainingJob:
         s = self._active_state()
         await workflow.execute_activity(
             RELEASE_NODES,
-            ReleaseRequest(job=s.spec.name, node_ids=ids, region=s.spec.spot.region),
+            ReleaseRequest(job=s.spec.name, node_ids=ids, **self._regions()),
             start_to_close_timeout=timedelta(minutes=5),
             heartbeat_timeout=HEARTBEAT,
             retry_policy=PERSISTENT,
             summary=f"release {', '.join(ids)}: {reason}",
         )
+
+    def _regions(self) -> dict[str, Any]:
+        """Where the provider looks for the job's nodes: its home region and more_regions."""
+        spot = self._active_state().spec.spot
+        return {"region": spot.region, "more_regions": spot.more_regions}
 
     async def _find_offers(self) -> list[Offer]:
         s = self._active_state()
@@ -1099,7 +1104,7 @@ class TrainingJob:
         try:
             return await workflow.execute_activity(
                 DESCRIBE_NODES,
-                DescribeRequest(job=s.spec.name, node_ids=ids, region=s.spec.spot.region),
+                DescribeRequest(job=s.spec.name, node_ids=ids, **self._regions()),
                 result_type=list[NodeInfo],
                 start_to_close_timeout=QUICK_CALL,
                 retry_policy=QUICK,
