@@ -10,6 +10,10 @@ $LOCAL_WORLD_SIZE ...`). Rank discovery goes through a headless Service per job:
 MASTER_ADDR is rank 0's pod DNS name. Horovod jobs also get a ConfigMap with the hostfile and a
 `discover_hosts.sh` for the current generation, mounted at /etc/spotrain/hosts.
 
+Gang start: every container may run at once, but the training library's `wait_for_gang` holds
+its ranks until all pods are Running and Ready and this runtime has marked the generation
+started in the checkpoint store; a gang not ready in time is deleted, and never marked.
+
 The elastic event is the pod annotation `spotrain.io/control` (empty: run, `stop`: checkpoint
 and exit), which the kubelet projects into /etc/spotrain/control through a downwardAPI volume.
 The kubelet refreshes that file on its sync period (about a minute by default), so graceful
@@ -206,8 +210,9 @@ class KubeRuntime:
     @activity.defn(name=contract.START_GENERATION)
     @_config_errors
     def start_generation(self, plan: GenerationPlan) -> None:
-        """Create the generation's pods (create-or-get) and wait until all are Running+Ready;
-        past `gang_timeout_s`, delete them and raise naming the stuck pods and why."""
+        """Create the generation's pods (create-or-get) and wait until all are Running+Ready,
+        then mark the generation started (the training library's `wait_for_gang` lets ranks
+        go); past `gang_timeout_s`, delete them and raise naming the stuck pods and why."""
         if not plan.image:
             raise ApplicationError(
                 "the Kubernetes runtime needs the job's `image`",
@@ -247,6 +252,7 @@ class KubeRuntime:
                 f"gang start of {plan.job} generation {plan.generation} rolled back: {err}",
                 type=GANG_ERROR,
             ) from None
+        JobStore(plan.checkpoint).mark_started(plan.generation, time.time())  # the gang goes
 
     @activity.defn(name=contract.STOP_GENERATION)
     @_config_errors

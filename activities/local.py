@@ -201,6 +201,7 @@ class LocalRuntime:
         gdir.mkdir(parents=True, exist_ok=True)
         port = self._master_port(gdir)
         control = str(self.control_file(plan.job, plan.generation))
+        JobStore(plan.checkpoint).mark_started(plan.generation, time.time())  # one machine: all up
         rank = 0
         for node_index, member in enumerate(plan.members):
             for local_rank in range(member.procs):

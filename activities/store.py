@@ -3,6 +3,7 @@
 Both runtimes (local processes, Kubernetes pods) and the training library see the job through
 the same keys under the job's `checkpoint` location (`file:///path` or `s3://bucket/prefix`):
 
+    gen-00003/started.json        {"time": t}              every node of the gang is up
     gen-00003/ack/<rank>.json     {"step": n, "time": t}   rank checkpointed after an event
     gen-00003/progress.json       {"step": n, "time": t}   rank 0, throttled
     ckpt/latest.json              {"step": n, "path": p}   last complete checkpoint
@@ -124,6 +125,12 @@ class JobStore:
     @staticmethod
     def _gen(generation: int) -> str:
         return f"gen-{generation:05d}"
+
+    def mark_started(self, generation: int, time: float) -> None:
+        self.store.put_json(f"{self._gen(generation)}/started.json", {"time": time})
+
+    def started(self, generation: int) -> bool:
+        return self.store.get_json(f"{self._gen(generation)}/started.json") is not None
 
     def write_ack(self, generation: int, rank: int, step: int, time: float) -> None:
         self.store.put_json(

@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent(
     first_line = time.time()
     from spotrain.workers import elastic
 
-    s = elastic.settings()
+    s = elastic.wait_for_gang()
     out = os.path.join(os.environ["BENCH_TIMES"], f"{s.generation}-{s.rank}.json")
     times = {"first_line": first_line}
 

@@ -95,7 +95,7 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    s = elastic.settings()
+    s = elastic.wait_for_gang()
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{s.local_rank}" if cuda else "cpu")
     if cuda:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import builtins
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,22 @@ def test_elastic_event_reads_the_file_only_when_it_changes(
     assert elastic.elastic_event_detected()
     control.unlink()
     assert elastic.elastic_event_detected()  # latched: the generation is stopping
+
+
+def test_wait_for_gang_holds_the_rank_until_the_generation_is_marked_started(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    as_rank(monkeypatch, tmp_path, rank=2)
+    store = JobStore(f"file://{tmp_path}/store")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(elastic.wait_for_gang, 0.01)
+        time.sleep(0.3)
+        assert not waiting.done()  # no mark: some pod of the gang is not up yet
+        store.mark_started(2, time.time())  # another generation's mark does not count
+        time.sleep(0.3)
+        assert not waiting.done()
+        store.mark_started(3, time.time())  # what the runtime writes once all are up
+        assert waiting.result(timeout=5).rank == 2
 
 
 def test_acks_progress_and_markers_go_to_the_store(

@@ -122,11 +122,13 @@ def test_gang_start_waits_for_every_pod_ready(kube: KubeDouble, ckpt: str) -> No
     kube.start_pod(NS, "mnist-g1-1")
     time.sleep(0.3)
     assert not started.done(), "returned before the whole gang was Ready"
+    assert not JobStore(ckpt).started(1), "ranks let go before the whole gang was Ready"
     kube.start_pod(NS, "mnist-g1-2")
     t0 = time.monotonic()
     started.result(timeout=3)
     latency = time.monotonic() - t0
     assert latency < 1.5, f"the watch should wake at once, not after watch_s=4 ({latency:.2f}s)"
+    assert JobStore(ckpt).started(1)  # the training library's wait_for_gang now returns
 
     pods = {p["metadata"]["name"]: p for p in kube.list("pods", NS)}
     assert sorted(pods) == ["mnist-g1-0", "mnist-g1-1", "mnist-g1-2"]
@@ -190,6 +192,7 @@ def test_gang_timeout_rolls_back_and_names_stuck_pods(
     assert "mnist-g1-2 (Pending, Unschedulable: 0/3 nodes are available" in msg
     assert kube.list("pods", NS) == []
     assert ("pods", "mnist-g1-0", 0) in kube.deletes
+    assert not JobStore(ckpt).started(1)  # a rolled-back gang never lets its ranks go
 
 
 def test_node_that_never_joins_fails_the_gang(kube: KubeDouble, ckpt: str) -> None:

@@ -35,7 +35,7 @@ WORKER = textwrap.dedent(
     from spotrain.workers import elastic
 
     mode = sys.argv[1]
-    s = elastic.settings()
+    s = elastic.wait_for_gang()
     latest = elastic.latest_checkpoint()
     step = latest["step"] if latest else 0
     print(f"rank={s.rank} world={s.world_size} node={s.node_id} "

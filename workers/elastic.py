@@ -2,7 +2,7 @@
 
     from spotrain.workers import elastic
 
-    s = elastic.settings()                      # world size, rank, local batch, scale_config...
+    s = elastic.wait_for_gang()                 # the generation's settings, once all nodes are up
     for step in range(start, s.total_steps):
         ...train one step...
         elastic.report_progress(step + 1)       # rank 0 only, throttled
@@ -15,6 +15,10 @@
 Exit conventions: 0 after an elastic event (checkpointed and acked), 0 after the completion
 marker (job done), anything else is a fault. Ranks must not exit 0 before `mark_done` is on
 record (a barrier after it), or the runtime sees a rank that stopped for no reason.
+
+Gang start: `wait_for_gang` holds the rank until the runtime has every node of the generation
+up (on Kubernetes: all its pods Running and Ready), so no rank trains, or times out in its
+rendezvous, beside a pod still pulling its image. Call it before the process group.
 
 The elastic event: the control file (`SPOTRAIN_CONTROL_FILE`) holds non-empty content. It may
 not exist yet (no event). Locally the runtime writes it; on Kubernetes a downwardAPI volume
@@ -100,6 +104,15 @@ def settings() -> Settings:
 def store() -> JobStore:
     """The job's checkpoint store (acks, progress, markers), opened once."""
     return JobStore(settings().checkpoint)
+
+
+def wait_for_gang(poll_s: float = 0.2) -> Settings:
+    """Block until the runtime marked this generation started (all its nodes up); then the
+    generation's settings. A rolled-back gang never gets the mark: its pods are deleted."""
+    s = settings()
+    while not store().started(s.generation):
+        time.sleep(poll_s)
+    return s
 
 
 class _ControlFile:

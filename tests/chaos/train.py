@@ -19,7 +19,7 @@ from spotrain.workers import elastic
 STEP_S = 0.02
 CHECKPOINT_EVERY = 10
 
-s = elastic.settings()
+s = elastic.wait_for_gang()
 latest = elastic.latest_checkpoint()
 step = latest["step"] if latest else 0
 hold_at = int(os.environ.get("CHAOS_HOLD_AT", "-1"))
