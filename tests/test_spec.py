@@ -64,8 +64,8 @@ def test_example_and_defaults() -> None:
         ({"tpye": "pytorch"}, "tpye: Extra inputs are not permitted"),
         ({"spot": {"more_regions": ["us-west-2", "us-east-1"]}}, "more_regions repeats us-east-1"),
         (
-            {"spot": {"zones": ["us-east-1a", "eu-west-1b"]}},
-            "spot: zones ['eu-west-1b'] are in none of the regions ['us-east-1']",
+            {"spot": {"more_regions": ["us-west-2"], "zones": ["us-west-2a", "eu-west-1b"]}},
+            "spot: zones ['eu-west-1b'] are in none of the regions ['us-east-1', 'us-west-2']",
         ),
         (
             {

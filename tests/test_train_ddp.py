@@ -125,17 +125,15 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
 
     # Loss keeps falling across the resize: no reset to the initial weights.
     losses = [e["loss"] for e in rec0[0] + rec1[0]]
-    first, before, after, last = (
-        sum(losses[i : i + 5]) / 5 for i in (0, resized_at - 5, resized_at, TOTAL_STEPS - 5)
-    )
-    assert after < 0.5 * first, (first, before, after)
-    assert after < 1.5 * before, (before, after)
+    first, after, last = (sum(losses[i : i + 5]) / 5 for i in (0, resized_at, TOTAL_STEPS - 5))
+    assert after < 0.5 * first, (first, after)
     # Still falling after the resize, unless it came late, when training had converged
     # (on a loaded machine the ranks may be far along before the stop lands): then only
     # noise separates the two windows, and both are a small fraction of where it started.
     assert last < after or max(after, last) < 0.1 * first, (first, after, last)
     # ... and resumed training is the same computation as never resized (same samples, global
-    # mean gradients, optimizer state resharded), up to float summation order.
+    # mean gradients, optimizer state resharded), up to float summation order. (This, not a
+    # loss window before vs after, proves continuity: windows differ by their batches alone.)
     ref_losses = [e["loss"] for e in records(tmp_path, 0, job="ref")[0]]
     assert losses[: resized_at + 20] == pytest.approx(ref_losses, rel=1e-3)
     assert not any(r.alive() for g in (0, 1) for r in rt._ranks("ddp", g))

@@ -58,7 +58,7 @@ class SpotPolicy(Strict):
         if repeated:
             raise ValueError(f"more_regions repeats {', '.join(repeated)}")
         strays = [z for z in self.zones if not any(z.startswith(r) for r in regions)]
-        if strays:
+        if self.more_regions and strays:  # a zone's name is how its node finds its region
             raise ValueError(
                 f"zones {strays} are in none of the regions {regions}: add their region to "
                 "more_regions"
