@@ -401,8 +401,8 @@ class EC2Provider:
             params["SubnetId"] = self.subnets[zone]
         if self.launch_template:
             params["LaunchTemplate"] = {"LaunchTemplateName": self.launch_template}
-        if self.launch_template is None or self.amis:
-            params["ImageId"] = self._image(ec2)
+        if image := self._image(ec2):
+            params["ImageId"] = image
         if req.lifecycle == "spot":  # on-demand gets no market options at all
             spot: dict[str, Any] = {
                 "SpotInstanceType": "one-time",
@@ -433,8 +433,8 @@ class EC2Provider:
             override: dict[str, Any] = {"InstanceType": itype, "AvailabilityZone": zone}
             if zone in self.subnets:
                 override["SubnetId"] = self.subnets[zone]
-            if self.amis:
-                override["ImageId"] = self._image(ec2)
+            if image := self._image(ec2):
+                override["ImageId"] = image
             if req.lifecycle == "spot" and req.max_price is not None:
                 override["MaxPrice"] = f"{req.max_price:.5f}"
             overrides.append(override)
@@ -468,20 +468,22 @@ class EC2Provider:
         _log_launch(instance, req)
         return instance
 
-    def _image(self, ec2: Any) -> str:
-        """The region's configured AMI; against a local endpoint (moto) a stock image, resolved
-        once per region."""
+    def _image(self, ec2: Any) -> str | None:
+        """The region's AMI: the configured one, else the launch template's (None), else
+        against a local endpoint (moto) a stock image, resolved once per region."""
         region = ec2.meta.region_name
-        if region not in self.amis and "*" not in self.amis:
-            if self.endpoint_url is None:
-                raise ApplicationError(
-                    f"no AMI configured for {region}: set SPOTRAIN_AMI or a launch template",
-                    type=contract.CONFIG_ERROR,
-                    non_retryable=True,
-                )
-            images = ec2.describe_images(Filters=[{"Name": "name", "Values": [LOCAL_AMI_NAME]}])
-            self.amis[region] = images["Images"][0]["ImageId"]
-        return self.amis.get(region) or self.amis["*"]
+        image = self.amis.get(region) or self.amis.get("*")
+        if image or self.launch_template:
+            return image
+        if self.endpoint_url is None:
+            raise ApplicationError(
+                f"no AMI configured for {region}: set SPOTRAIN_AMI or a launch template",
+                type=contract.CONFIG_ERROR,
+                non_retryable=True,
+            )
+        images = ec2.describe_images(Filters=[{"Name": "name", "Values": [LOCAL_AMI_NAME]}])
+        self.amis[region] = images["Images"][0]["ImageId"]
+        return self.amis[region]
 
     def _wait_ready(self, ec2: Any, instance_id: str) -> NodeInfo:
         """Poll (heartbeating) until the instance runs; CAPACITY_ERROR if it never will."""

@@ -548,6 +548,18 @@ def test_from_env() -> None:
         EC2Provider.from_env({"SPOTRAIN_AMI": "us-east-1=ami-1,ami-2"})
 
 
+def test_amis_are_regional(provider: EC2Provider) -> None:
+    east, west = provider.client("us-east-1"), provider.client("us-west-2")
+    on_aws = EC2Provider(amis={"us-east-1": "ami-1"})  # no local endpoint: nothing is guessed
+    assert on_aws._image(east) == "ami-1"
+    with pytest.raises(ApplicationError, match="no AMI configured for us-west-2") as err:
+        on_aws._image(west)
+    assert err.value.type == contract.CONFIG_ERROR
+    templated = EC2Provider(amis={"us-east-1": "ami-1"}, launch_template="gpu-nodes")
+    assert templated._image(west) is None  # the region's template brings its image
+    assert EC2Provider(amis={"*": "ami-any"})._image(west) == "ami-any"
+
+
 def test_iam_policy_is_valid_and_allows_every_call_the_provider_makes(
     provider: EC2Provider,
 ) -> None:
