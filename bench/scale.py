@@ -32,7 +32,8 @@ from temporalio.worker import Worker
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workflows import contract
 from spotrain.workflows.contract import StopRequest, StopResult
-from spotrain.workflows.training_job import HISTORY_EVENTS_BEFORE_CONTINUE, TrainingJob
+from spotrain.workflows.history import HISTORY_EVENTS_BEFORE_CONTINUE
+from spotrain.workflows.training_job import TrainingJob
 
 from .common import REPO, dev_server, publish, summary, table
 

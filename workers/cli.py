@@ -123,6 +123,16 @@ async def is_running(handle: WorkflowHandle[Any, Any]) -> bool:
     return description.status == WorkflowExecutionStatus.RUNNING
 
 
+async def runs(c: Client, workflow_id: str) -> bool:
+    """Whether a workflow with this id runs now; False for one Temporal never heard of."""
+    try:
+        return await is_running(c.get_workflow_handle(workflow_id))
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+
+
 async def build_report(handle: WorkflowHandle[Any, Any]) -> Report:
     """Running: the `status` query. Finished: the result (a failed job carries it in its
     failure's details). Cancelled or terminated: the query, answered by replaying history."""
@@ -198,7 +208,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     name = spec["name"]
     c = await client()
     pool = (spec.get("pool") or {}).get("name")
-    if pool and not await pool_running(c, pool):
+    if pool and not await runs(c, pool_workflow_id(pool)):
         raise CliError(
             f"{args.file}: no capacity pool named {pool!r} runs: `spotrain pool create {pool}`"
         )
@@ -409,14 +419,8 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     c = await client()
     loop = asyncio.get_running_loop()
 
-    def job_running(name: str) -> bool:
-        future = asyncio.run_coroutine_threadsafe(is_running(c.get_workflow_handle(name)), loop)
-        try:
-            return future.result(timeout=30)
-        except RPCError as e:
-            if e.status == RPCStatusCode.NOT_FOUND:
-                return False
-            raise
+    def job_running(name: str) -> bool:  # asked from the reaper's thread
+        return asyncio.run_coroutine_threadsafe(runs(c, name), loop).result(timeout=30)
 
     provider = EC2Provider.from_env()
     local = LocalRuntime(args.state_dir or DEFAULT_STATE_DIR)
@@ -518,15 +522,6 @@ def pool_config(args: argparse.Namespace, base: dict[str, Any]) -> PoolConfig:
         return PoolConfig.model_validate(config)
     except ValidationError as e:
         raise CliError(describe_errors(e, "pool settings"), USAGE) from None
-
-
-async def pool_running(c: Client, name: str) -> bool:
-    try:
-        return await is_running(c.get_workflow_handle(pool_workflow_id(name)))
-    except RPCError as e:
-        if e.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
 
 
 async def pool_handle(name: str) -> WorkflowHandle[Any, Any]:

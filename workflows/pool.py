@@ -27,9 +27,9 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows import allocation
     from spotrain.workflows.allocation import Claim, Grant
     from spotrain.workflows.contract import Message, PoolGrant, PoolReport
+    from spotrain.workflows.history import history_is_long
     from spotrain.workflows.spec import NAME_PATTERN
 
-HISTORY_EVENTS_BEFORE_CONTINUE = 8000
 TIMELINE_KEPT = 200
 
 
@@ -199,7 +199,7 @@ class CapacityPool:
                 await self._check_liveness()
             self._dirty = False
             await self._rebalance()
-            if self._history_is_long():
+            if history_is_long():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 if not self._dirty:
                     s.runs += 1
@@ -384,12 +384,6 @@ class CapacityPool:
         ]
         parts += [f"team {t} max $/h {v}" for t, v in sorted(c.team_budgets.items())]
         return ", ".join(parts) or "no limits"
-
-    def _history_is_long(self) -> bool:
-        info = workflow.info()
-        return info.is_continue_as_new_suggested() or (
-            info.get_current_history_length() > HISTORY_EVENTS_BEFORE_CONTINUE
-        )
 
 
 def _verb(before: Grant, after: Grant, min_nodes: int) -> str:

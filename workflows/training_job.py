@@ -59,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
         WatchRequest,
         WatchResult,
     )
+    from spotrain.workflows.history import history_is_long
     from spotrain.workflows.pool import pool_workflow_id
     from spotrain.workflows.spec import SpecError, parse_spec
     from spotrain.workflows.state import (
@@ -73,9 +74,6 @@ with workflow.unsafe.imports_passed_through():
 
 INVALID_SPEC = "InvalidSpec"
 JOB_FAILED = "JobFailed"
-# Continue-as-new well before Temporal's limits even where the server does not suggest it.
-HISTORY_EVENTS_BEFORE_CONTINUE = 8000
-
 # A dead worker's attempt is retried when its heartbeat (or a quick call's deadline) lapses:
 # these bound how long a controller crash can stall a job. Activities heartbeat every <= 5 s.
 HEARTBEAT = timedelta(seconds=20)
@@ -323,7 +321,7 @@ class TrainingJob:
             if s.next_check is None or self._now() >= s.next_check:
                 await self._periodic_checks()
             if (
-                self._history_is_long()
+                history_is_long()
                 and not self._launches
                 # (before the patch, only a running job continued as new: one short of
                 # nodes for long kept growing its history)
@@ -331,12 +329,6 @@ class TrainingJob:
             ):
                 self._cancel_watch()
                 return True
-
-    def _history_is_long(self) -> bool:
-        info = workflow.info()
-        return info.is_continue_as_new_suggested() or (
-            info.get_current_history_length() > HISTORY_EVENTS_BEFORE_CONTINUE
-        )
 
     async def _wait(
         self, seconds: float | None, why: str, ready: Callable[[], bool] = lambda: False
