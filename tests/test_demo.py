@@ -48,9 +48,11 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     assert len(gens) >= 3, gens.keys()
     # World sizes followed the plan: 4 nodes, 3 after the reclaim with notice, back to 4;
     # after the loss without notice, 4 again on the replacement if it came within
-    # faulty_scale_down_timeout_s, else 3 and back to 4.
+    # faulty_scale_down_timeout_s, else 3 and back to 4. (A loss that lands while the grown
+    # generation is still starting ends it before its first step: it records nothing.)
     worlds = [steps[0]["world"] for steps in gens.values()]
-    assert worlds[:3] == [4, 3, 4] and worlds[3:] in ([4], [3, 4]), worlds
+    assert worlds[:2] == [4, 3] and worlds[-1] == 4 and set(worlds) == {3, 4}, worlds
+    assert max(gens) >= 4, gens.keys()  # grew back after the notice, restarted after the loss
     # Steps add up: each generation resumes right after a checkpoint of the one before, the
     # last one ends exactly at the total, and only work after a checkpoint is ever redone.
     chain = list(gens.values())
