@@ -26,7 +26,6 @@ class ObjectStore(Protocol):
     def put_json(self, key: str, value: Any) -> None: ...
     def get_json(self, key: str) -> Any | None: ...
     def list_keys(self, prefix: str) -> list[str]: ...
-    def delete_prefix(self, prefix: str) -> None: ...
 
 
 class FileStore:
@@ -58,10 +57,6 @@ class FileStore:
             for p in base.rglob("*")
             if p.is_file() and not p.name.startswith(".tmp-")
         )
-
-    def delete_prefix(self, prefix: str) -> None:
-        for key in self.list_keys(prefix):
-            (self.root / key).unlink(missing_ok=True)
 
 
 class S3Store:
@@ -99,10 +94,6 @@ class S3Store:
         for page in pages:
             keys += [o["Key"][strip:] for o in page.get("Contents", [])]
         return sorted(keys)
-
-    def delete_prefix(self, prefix: str) -> None:
-        for key in self.list_keys(prefix):
-            self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
 
 
 def open_store(uri: str) -> ObjectStore:
@@ -158,6 +149,3 @@ class JobStore:
 
     def done(self) -> dict[str, Any] | None:
         return self.store.get_json("done.json")
-
-    def delete_generation(self, generation: int) -> None:
-        self.store.delete_prefix(self._gen(generation) + "/")

@@ -16,6 +16,7 @@ what the server itself does at the timeout. CHAOS_REAL_TIMEOUTS=1 waits for the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -274,6 +275,26 @@ async def fail_orphaned_attempts(client: Client, job: str) -> int:
     return failed
 
 
+async def post_mortem(env: ChaosEnv, handle: Handle) -> str:
+    """What a stuck job was doing, for the failure message (CI keeps no scratch space): its
+    status, its pending activities, its ranks' last records and its workers' last log lines."""
+    lines = [f"status: {await status(handle)}"]
+    with contextlib.suppress(RPCError):
+        desc = await handle.describe()
+        for pa in desc.raw_description.pending_activities:
+            failure = pa.last_failure.message if pa.HasField("last_failure") else ""
+            state = PendingActivityState.Name(pa.state).removeprefix("PENDING_ACTIVITY_STATE_")
+            lines.append(
+                f"pending {pa.activity_type.name} #{pa.activity_id}: {state},"
+                f" attempt {pa.attempt}, last failure {failure!r}"
+            )
+    for path in sorted(env.records(handle.id).glob("*.steps")):
+        lines.append(f"{path.name}: {' | '.join(path.read_text().splitlines()[-2:])}")
+    for path in sorted(env.root.glob(f"worker-{handle.id}.log")):
+        lines += [f"{path.name}:", *path.read_text(errors="replace").splitlines()[-30:]]
+    return "\n".join(lines)
+
+
 def cycle_done(s: JobStatus) -> bool:
     """The reclaim cycle played out: the replacement joined (generation 3 at world 4)."""
     return running(4)(s) and s.generation >= 3
@@ -284,11 +305,13 @@ async def supervise(
     handle: Handle,
     worker: WorkerProcess,
     go_when: Callable[[JobStatus], bool] = cycle_done,
-    timeout: float = 240,
+    timeout: float = 360,
 ) -> tuple[JobResult | BaseException, int]:
     """Wait for the job's end, replacing a dead worker with a fresh (crash-free) one each time,
     and let the ranks past HOLD_AT once `go_when` holds. Returns the result (or the exception
-    it ended with) and how many workers died."""
+    it ended with) and how many workers died. The timeout is generous (a cycle takes ~30 s
+    here): on a loaded machine a crash's recovery can stack a workflow task's 10 s timeout,
+    a heartbeat's 20 s and the 60 s stall bound; past it, the failure says what was stuck."""
     job = handle.id
     go = env.records(job) / "go"
     outcome = asyncio.ensure_future(handle.result())
@@ -300,7 +323,9 @@ async def supervise(
                 go.touch()
             if time.monotonic() > deadline:
                 outcome.cancel()
-                raise AssertionError(f"{job}: no result after {timeout:.0f}s (see {env.root})")
+                raise AssertionError(
+                    f"{job}: no result after {timeout:.0f}s\n{await post_mortem(env, handle)}"
+                )
             if worker.died():
                 deaths += 1
                 await fail_orphaned_attempts(env.client, job)
