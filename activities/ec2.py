@@ -287,7 +287,7 @@ class EC2Provider:
             return []
         types = {t.name: t for t in policy.instance_types}
         offers = []
-        for region in [policy.region, *policy.more_regions]:
+        for region in policy.regions:
             ec2 = self.client(region)
             with _typed_errors():
                 zone_ids = _zones(ec2)

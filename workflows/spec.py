@@ -51,9 +51,13 @@ class SpotPolicy(Strict):
     max_price: float | None = Field(None, gt=0, description="USD per hour; default on-demand")
     enabled: bool = Field(True, description="false: run on on-demand nodes only")
 
+    @property
+    def regions(self) -> list[str]:
+        return [self.region, *self.more_regions]
+
     @model_validator(mode="after")
-    def _regions(self) -> SpotPolicy:
-        regions = [self.region, *self.more_regions]
+    def _check_regions(self) -> SpotPolicy:
+        regions = self.regions
         repeated = sorted({r for r in regions if regions.count(r) > 1})
         if repeated:
             raise ValueError(f"more_regions repeats {', '.join(repeated)}")

@@ -114,7 +114,7 @@ class WorkerProcess:
     """One spotrain worker (EC2 provider on moto, local runtime) as a subprocess."""
 
     def __init__(self, env: ChaosEnv, queue: str, crash: str | None = None) -> None:
-        self.log = env.root / f"worker-{queue}.log"
+        self.log = env.worker_log(queue)
         module = "tests.chaos.crash_worker" if crash else "spotrain.workers.worker"
         extra = {}
         if crash:
@@ -166,6 +166,9 @@ class ChaosEnv:
 
     def fired_file(self, queue: str) -> Path:
         return self.root / f"{queue}.fired"
+
+    def worker_log(self, queue: str) -> Path:
+        return self.root / f"worker-{queue}.log"
 
     def records(self, job: str) -> Path:
         return self.root / "records" / job
@@ -290,8 +293,9 @@ async def post_mortem(env: ChaosEnv, handle: Handle) -> str:
             )
     for path in sorted(env.records(handle.id).glob("*.steps")):
         lines.append(f"{path.name}: {' | '.join(path.read_text().splitlines()[-2:])}")
-    for path in sorted(env.root.glob(f"worker-{handle.id}.log")):
-        lines += [f"{path.name}:", *path.read_text(errors="replace").splitlines()[-30:]]
+    log = env.worker_log(handle.id)
+    if log.exists():
+        lines += [f"{log.name}:", *log.read_text(errors="replace").splitlines()[-30:]]
     return "\n".join(lines)
 
 
