@@ -39,12 +39,15 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
 from openapi_spec_validator import validate
 from temporalio import workflow
+from temporalio.api.workflowservice.v1 import ListWorkflowExecutionsRequest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from spotrain.workers import webhook
+from spotrain.workers.binaries import temporal_cli
 from spotrain.workers.webhook import (
     NodeNames,
     SqsPoller,
@@ -576,6 +579,36 @@ async def test_temporal_outage_returns_503_and_loses_nothing(
         ("node_lost", "i-0out1"),
     ]
     await proxy.down()
+
+
+async def test_temporal_rate_limit_is_waited_out_not_passed_to_the_sender() -> None:
+    """Temporal answers RESOURCE_EXHAUSTED past a rate limit (here: a dev server of its own
+    allowing 4 visibility queries a second; each event is one lookup). The webhook waits it
+    out briefly: a burst of events is all accepted, none answered 503."""
+    env = await WorkflowEnvironment.start_local(
+        data_converter=pydantic_data_converter,
+        dev_server_existing_path=temporal_cli(),
+        search_attributes=attributes.ALL,
+        dev_server_extra_args=["--dynamic-config-value", "frontend.namespaceRPS.visibility=4"],
+    )
+    try:
+        lookup = ListWorkflowExecutionsRequest(namespace=env.client.namespace)
+        refused = []
+        for _ in range(12):  # the limit is real: raw calls in a burst are refused
+            try:
+                await env.client.workflow_service.list_workflow_executions(lookup, retry=False)
+            except RPCError as e:
+                refused.append(e.status)
+        assert refused and set(refused) == {RPCStatusCode.RESOURCE_EXHAUSTED}
+        await asyncio.sleep(1.0)  # the bucket refills
+        async with running_webhook(env.client) as hook:
+            answers = [
+                await hook.post("/v1/events/aws", aws_event(INTERRUPTION, f"i-0burst{i}"))
+                for i in range(12)
+            ]
+    finally:
+        await env.shutdown()
+    assert answers == [(202, {"status": "unknown_instance"})] * 12
 
 
 # --- latency ---------------------------------------------------------------------------------

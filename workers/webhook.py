@@ -62,6 +62,11 @@ from spotrain.workflows.contract import NodeLost, ReclaimNotice
 
 log = logging.getLogger("spotrain.webhook")
 
+# Pauses before retrying a call Temporal refused as RESOURCE_EXHAUSTED (a rate limit, a busy
+# workflow): that passes in moments, so the sender is not made to retry (or, for a reclaim,
+# to lose part of its two minutes). Any other error is answered at once.
+BUSY_RETRY_PAUSES_S = (0.05, 0.2, 0.5)
+
 
 def _log(level: int, event: str, **fields: Any) -> None:
     """One JSON object per line: ids and outcomes only, never bodies, headers or secrets."""
@@ -232,9 +237,7 @@ class Dispatcher:
         req = ListWorkflowExecutionsRequest(
             namespace=self._client.namespace, query=query, page_size=100
         )
-        resp = await self._client.workflow_service.list_workflow_executions(
-            req, retry=False, timeout=self._timeout
-        )
+        resp = await self._rpc(self._client.workflow_service.list_workflow_executions, req)
         return sorted({e.execution.workflow_id for e in resp.executions})
 
     async def _signal(
@@ -252,14 +255,24 @@ class Dispatcher:
         )
         req.input.payloads.extend(await self._client.data_converter.encode([payload]))
         try:
-            await self._client.workflow_service.signal_workflow_execution(
-                req, retry=False, timeout=self._timeout
-            )
+            await self._rpc(self._client.workflow_service.signal_workflow_execution, req)
         except RPCError as e:
             if e.status == RPCStatusCode.NOT_FOUND:
                 return False
             raise
         return True
+
+    async def _rpc(self, call: Callable[..., Awaitable[Any]], req: Any) -> Any:
+        """One Temporal call, retried only after RESOURCE_EXHAUSTED (see BUSY_RETRY_PAUSES_S).
+        A repeated signal is harmless: its request id drops the duplicate."""
+        for pause in BUSY_RETRY_PAUSES_S:
+            try:
+                return await call(req, retry=False, timeout=self._timeout)
+            except RPCError as e:
+                if e.status != RPCStatusCode.RESOURCE_EXHAUSTED:
+                    raise
+            await asyncio.sleep(pause)
+        return await call(req, retry=False, timeout=self._timeout)
 
 
 # --- queue mode ------------------------------------------------------------------------------
