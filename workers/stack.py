@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -55,9 +56,17 @@ PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, picked below Linux's ephemeral range (32768 up): there no
+    outgoing connection's source port can take it before its server binds it, or binds it
+    again after a restart."""
+    while True:
+        port = random.randint(20000, 32767)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 @dataclass

@@ -43,6 +43,7 @@ from spotrain.activities.ec2 import LIVE_STATES, TAG_JOB, TAG_SLOT
 from spotrain.activities.local import job_processes
 from spotrain.activities.store import JobStore
 from spotrain.workers.binaries import temporal_cli
+from spotrain.workers.stack import free_port
 from spotrain.workflows import attributes
 from spotrain.workflows.state import JobResult, JobStatus
 
@@ -56,12 +57,6 @@ CYCLE_SIZES = [4, 2, 4]  # 2 nodes x 2 ranks; reclaim one node; its replacement 
 Handle = WorkflowHandle[Any, Any]
 
 _SA_TYPES = {"KEYWORD": "Keyword", "INT": "Int", "DOUBLE": "Double", "KEYWORD_LIST": "KeywordList"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TemporalServer:
