@@ -287,7 +287,8 @@ class LocalRuntime:
                     return WatchResult(
                         outcome="failed", exit_codes=codes, detail=f"rank {r.rank} {why}"
                     )
-            if done and len(codes) == len(ranks):
+            # A launcher lives a moment past writing its exit code: "completed" means gone.
+            if done and len(codes) == len(ranks) and not any(alive.values()):
                 return self._result("completed", store, req.generation, codes)
             if time.monotonic() >= deadline:
                 return self._result("progress", store, req.generation, codes)

@@ -262,3 +262,28 @@ def test_ranks_survive_a_killed_controller_and_a_new_one_finds_them(
     assert progress.outcome == "progress"
     done = env.run(rt.watch_generation, watch_req(p, report_after_s=20))
     assert done.outcome == "completed" and done.exit_codes == {0: 0, 1: 0, 2: 0}
+
+
+def test_completed_waits_until_every_launcher_has_exited(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    """A launcher lives a moment past writing its exit code (longer on a loaded machine):
+    "completed" lets the workflow release the nodes, so it must mean no process is left."""
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "train", total_steps=5)
+    env.run(rt.start_generation, p)
+    assert env.run(rt.watch_generation, watch_req(p, report_after_s=20)).outcome == "completed"
+
+    # Rank 1's launcher, caught between writing its exit code and exiting: a live process
+    # recorded under its pid file (its exit file, and the done marker, are already there).
+    lingering = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    rank1 = rt._ranks(p.job, p.generation)[1]
+    start = _proc_start_time(lingering.pid)
+    rank1.pid_file.write_text(f'{{"pid": {lingering.pid}, "start": {start}, "node_id": "node-a"}}')
+    assert rank1.exit_code() == 0
+    assert env.run(rt.watch_generation, watch_req(p, report_after_s=0.3)).outcome == "progress"
+
+    lingering.kill()
+    lingering.wait()
+    done = env.run(rt.watch_generation, watch_req(p, report_after_s=5))
+    assert done.outcome == "completed" and done.exit_codes == {0: 0, 1: 0, 2: 0}
