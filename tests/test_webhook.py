@@ -20,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -145,29 +146,61 @@ async def jobs(dev_env: WorkflowEnvironment) -> AsyncIterator[Jobs]:
         yield recording
 
 
+def _cert(
+    subject: str, key: rsa.RSAPrivateKey, issuer: tuple[x509.Certificate, rsa.RSAPrivateKey] | None
+) -> x509.Certificate:
+    """A test CA (issuer None) or a server certificate for `subject`, as a public CA makes
+    them (cryptography's verifier checks the same extensions a browser does)."""
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    now = datetime.now(UTC)
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer[0].subject if issuer else name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(days=1))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(ski, critical=False)
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    if issuer is None:
+        usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)
+        builder = builder.add_extension(usage, critical=True)  # keyCertSign, cRLSign
+        return builder.sign(key, hashes.SHA256())
+    issuer_ski = issuer[0].extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    builder = (
+        builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(subject)]), False)
+        .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH]), False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(issuer_ski), False
+        )
+    )
+    return builder.sign(issuer[1], hashes.SHA256())
+
+
+def _new_key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
 @dataclass
 class FakeSnsHost:
-    """Serves the test certificate in place of sns.*.amazonaws.com; records every URL asked."""
+    """Serves a test certificate for sns.amazonaws.com, issued by a test CA that the webhook
+    trusts in place of the public roots (no internet here); records every URL asked."""
 
-    key: rsa.RSAPrivateKey = field(
-        default_factory=lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    )
+    ca_file: str
+    key: rsa.RSAPrivateKey = field(default_factory=_new_key)
     urls: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        ca_key = _new_key()
+        ca = _cert("spotrain test CA", ca_key, None)
+        self.cert = _cert("sns.amazonaws.com", self.key, (ca, ca_key))
+        Path(self.ca_file).write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
     def cert_pem(self) -> bytes:
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sns.amazonaws.com")])
-        now = datetime.now(UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(self.key.public_key())
-            .serial_number(1)
-            .not_valid_before(now - timedelta(days=1))
-            .not_valid_after(now + timedelta(days=1))
-            .sign(self.key, hashes.SHA256())
-        )
-        return cert.public_bytes(serialization.Encoding.PEM)
+        return self.cert.public_bytes(serialization.Encoding.PEM)
 
     async def get(self, url: str) -> bytes:
         self.urls.append(url)
@@ -209,17 +242,28 @@ class Webhook:
 
 @contextlib.asynccontextmanager
 async def running_webhook(
-    client: Client, node_names: NodeNames | None = None, **config: Any
+    client: Client,
+    node_names: NodeNames | None = None,
+    *,
+    topics: tuple[str, ...] = (),
+    http_get: Callable[[str], Awaitable[bytes]] | None = None,
+    clock: Callable[[], float] = time.time,
+    **config: Any,
 ) -> AsyncIterator[Webhook]:
+    ca_file = os.path.join(tempfile.mkdtemp(prefix="spotrain-ca-"), "ca.pem")
+    sns = FakeSnsHost(ca_file)
     auth = AuthConfig(
-        bearer_token=TOKEN, hmac_secret=HMAC_SECRET, sns_topic_arns=frozenset([TOPIC])
+        bearer_token=TOKEN,
+        hmac_secret=HMAC_SECRET,
+        sns_topic_arns=frozenset([TOPIC, *topics]),
+        sns_ca_file=ca_file,
     )
-    sns = FakeSnsHost()
     service = WebhookService(
         client,
         WebhookConfig(auth=auth, host="127.0.0.1", port=0, **config),
-        http_get=sns.get,
+        http_get=http_get or sns.get,
         node_names=node_names,
+        clock=clock,
     )
     port = await service.start()
     async with aiohttp.ClientSession() as http:
@@ -352,7 +396,7 @@ async def test_unknown_instances_and_kinds_are_acknowledged(hook: Webhook) -> No
     assert (status, body["status"]) == (202, "ignored")
     running = aws_event(STATE_CHANGE, "i-0aaa1", state="running")
     assert (await hook.post("/v1/events/aws", running))[0] == 202
-    kube = {"event_id": "k", "kind": "SCHEDULED_EVENT", "instance_id": "i-0aaa1"}
+    kube = {"event_id": "k", "kind": "ASG_LIFECYCLE", "instance_id": "i-0aaa1"}
     assert (await hook.post("/v1/events/kubernetes", kube))[0] == 202
 
 

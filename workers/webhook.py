@@ -44,7 +44,15 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities import kube
 from spotrain.workers.connect import connect
-from spotrain.workers.webhook_auth import AuthConfig, SnsVerifier, check_headers, is_sns_url
+from spotrain.workers.webhook_auth import (
+    AuthConfig,
+    SnsRejected,
+    SnsUnavailable,
+    SnsVerifier,
+    check_headers,
+    is_sns_url,
+    sns_host,
+)
 from spotrain.workers.webhook_events import (
     Ignored,
     MalformedJSON,
@@ -81,6 +89,7 @@ class WebhookConfig:
     max_body_bytes: int = 64 * 1024
     rpc_timeout_s: float = 5.0
     queue_url: str | None = None  # SQS queue mode when set
+    queue_dedicated: bool = False  # the operator says no one else reads that queue
     sqs_endpoint_url: str | None = None
     region: str = "us-east-1"
     poll_wait_s: int = 10
@@ -95,10 +104,27 @@ class WebhookConfig:
             port=int(env.get("SPOTRAIN_WEBHOOK_PORT", "8080")),
             max_body_bytes=int(env.get("SPOTRAIN_WEBHOOK_MAX_BODY_BYTES", str(64 * 1024))),
             queue_url=env.get("SPOTRAIN_WEBHOOK_QUEUE_URL") or None,
+            queue_dedicated=_flag(env, "SPOTRAIN_WEBHOOK_QUEUE_DEDICATED"),
             sqs_endpoint_url=env.get("SPOTRAIN_WEBHOOK_SQS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),
-            kube_nodes=env.get("SPOTRAIN_WEBHOOK_KUBE_NODES", "") not in ("", "0", "false"),
+            kube_nodes=_flag(env, "SPOTRAIN_WEBHOOK_KUBE_NODES"),
         )
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "") not in ("", "0", "false")
+
+
+class ConfigError(ValueError):
+    """A setting the service refuses to start with; the message says what to change."""
+
+
+SHARED_QUEUE = (
+    "queue mode deletes every message it reads, so it needs a queue of its own (a second "
+    "EventBridge target, as infra/aws/eventbridge creates); pointed at a queue that "
+    "aws-node-termination-handler or Karpenter also reads, it would take their messages. "
+    "Set SPOTRAIN_WEBHOOK_QUEUE_DEDICATED=1 to confirm the queue is spotrain's alone."
+)
 
 
 class TemporalUnavailable(Exception):
@@ -303,7 +329,8 @@ class SqsPoller:
                 await asyncio.sleep(1)
 
     async def poll_once(self) -> int:
-        """Receive one batch; returns how many messages were deleted."""
+        """Receive one batch and handle its messages in order, each on its own: a message that
+        fails in any way never blocks or loses another. Returns how many were deleted."""
         resp = await asyncio.to_thread(
             self._sqs.receive_message,
             QueueUrl=self._queue_url,
@@ -311,28 +338,37 @@ class SqsPoller:
             WaitTimeSeconds=self._wait_s,
             VisibilityTimeout=self._visibility_s,
         )
-        deleted = 0
-        for message in resp.get("Messages", []):
-            if await self._handle(message["Body"], message["MessageId"]):
-                await asyncio.to_thread(
-                    self._sqs.delete_message,
-                    QueueUrl=self._queue_url,
-                    ReceiptHandle=message["ReceiptHandle"],
-                )
-                deleted += 1
-        return deleted
+        return sum([await self._settle(m) for m in resp.get("Messages", [])])
+
+    async def _settle(self, message: Mapping[str, Any]) -> bool:
+        """Handle one message and delete it once done with; True if deleted. A message whose
+        handling failed unexpectedly stays, to come back (and reach the dead-letter queue)."""
+        message_id = str(message.get("MessageId"))
+        try:
+            if not await self._handle(str(message.get("Body")), message_id):
+                return False
+            await asyncio.to_thread(
+                self._sqs.delete_message,
+                QueueUrl=self._queue_url,
+                ReceiptHandle=message["ReceiptHandle"],
+            )
+        except Exception as e:
+            _log(logging.ERROR, "sqs_message_failed", message_id=message_id, error=repr(e)[:200])
+            return False
+        return True
 
     async def _handle(self, body: str, message_id: str) -> bool:
         """True when the message is done with: delivered, ignored, or unparseable (it never
-        will parse; it is logged and dropped)."""
+        will parse; it is logged and dropped: the queue is spotrain's own)."""
         started = time.perf_counter()
         try:
-            outcome = parse_aws(decode_json(body))
+            outcomes = parse_aws(decode_json(body))
         except (MalformedJSON, SchemaError) as e:
             _log(logging.WARNING, "sqs_dropped", message_id=message_id, error=str(e)[:200])
             return True
         try:
-            await self._dispatcher.deliver(outcome, "sqs", started)
+            for outcome in outcomes:
+                await self._dispatcher.deliver(outcome, "sqs", started)
         except TemporalUnavailable:
             return False
         return True
@@ -340,11 +376,17 @@ class SqsPoller:
 
 # --- HTTP ------------------------------------------------------------------------------------
 
-Parser = Callable[[Any], Outcome]
+Parser = Callable[[Any], list[Outcome]]
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
+
+
+def _unavailable(message: str, reason: str) -> web.Response:
+    """503: the sender retries (after Retry-After); the log says why."""
+    _log(logging.WARNING, "unavailable", error=message, reason=reason[:300])
+    return web.json_response({"error": message}, status=503, headers={"Retry-After": "1"})
 
 
 class WebhookService:
@@ -360,6 +402,7 @@ class WebhookService:
         config: WebhookConfig,
         http_get: Callable[[str], Awaitable[bytes]] | None = None,
         node_names: NodeNames | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
         self.config = config
@@ -368,7 +411,13 @@ class WebhookService:
             node_names = NodeNames()
         self.dispatcher = Dispatcher(client, self.metrics, config.rpc_timeout_s, node_names)
         self._http_get = http_get or self._aiohttp_get
-        self._sns = SnsVerifier(config.auth.sns_topic_arns, self._http_get)
+        self._sns = SnsVerifier(
+            config.auth.sns_topic_arns,
+            self._http_get,
+            max_age_s=config.auth.sns_max_age_s,
+            ca_file=config.auth.sns_ca_file,
+            clock=clock,
+        )
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -386,6 +435,8 @@ class WebhookService:
 
     async def start(self) -> int:
         """Listen (port 0 picks a free one) and start the poller; returns the port."""
+        if self.config.queue_url and not self.config.queue_dedicated:
+            raise ConfigError(SHARED_QUEUE)
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -457,45 +508,53 @@ class WebhookService:
             obj = decode_json(body)
         except MalformedJSON:
             return _error(400, "malformed JSON") if trusted else _error(401, "unauthenticated")
-        if not trusted:
+        if not trusted:  # only the SNS envelope is read before its signature is checked
+            if not is_sns_envelope(obj):
+                return _error(401, "unauthenticated")
             try:
-                if not (is_sns_envelope(obj) and await self._sns.verify(obj)):
-                    return _error(401, "unauthenticated")
-            except (aiohttp.ClientError, TimeoutError):
-                return _error(503, "SNS certificate unavailable")
+                await self._sns.verify(obj)
+            except SnsRejected as e:
+                _log(logging.WARNING, "sns_rejected", reason=str(e))
+                return _error(401, "unauthenticated")
+            except SnsUnavailable as e:
+                return _unavailable("SNS certificate unavailable", str(e))
             source = "sns"
             if obj["Type"] == "SubscriptionConfirmation":
                 return await self._confirm(obj)
         try:
-            outcome = parse(obj)
+            outcomes = parse(obj)
         except SchemaError as e:
             return _error(422, e.message, field=e.field)
+        workflow_ids: set[str] = set()
         try:
-            workflow_ids = await self.dispatcher.deliver(outcome, source, started)
-        except TemporalUnavailable:
-            return web.json_response(
-                {"error": "temporal unavailable"}, status=503, headers={"Retry-After": "1"}
-            )
-        if isinstance(outcome, Ignored):
-            return web.json_response({"status": "ignored", "reason": outcome.reason}, status=202)
+            for outcome in outcomes:
+                workflow_ids.update(await self.dispatcher.deliver(outcome, source, started))
+        except TemporalUnavailable as e:
+            return _unavailable("temporal unavailable", str(e))
+        if all(isinstance(o, Ignored) for o in outcomes):
+            reason = "; ".join(o.reason for o in outcomes if isinstance(o, Ignored))
+            return web.json_response({"status": "ignored", "reason": reason}, status=202)
         if not workflow_ids:
             return web.json_response({"status": "unknown_instance"}, status=202)
-        return web.json_response({"status": "signalled", "workflow_ids": workflow_ids})
+        return web.json_response({"status": "signalled", "workflow_ids": sorted(workflow_ids)})
 
     async def _confirm(self, message: Mapping[str, Any]) -> web.Response:
         url = message.get("SubscribeURL")
-        if not is_sns_url(url):
-            return _error(422, "SubscribeURL is not an SNS URL", field="SubscribeURL")
+        if not is_sns_url(url, sns_host(message.get("TopicArn"))):
+            return _error(422, "SubscribeURL is not on the topic's SNS host", field="SubscribeURL")
         try:
             await self._http_get(url)
-        except (aiohttp.ClientError, TimeoutError):
-            return _error(503, "SNS unreachable")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return _unavailable("SNS unreachable", f"{type(e).__name__} {e}")
         _log(logging.INFO, "sns_subscribed", topic=message.get("TopicArn"))
         return web.json_response({"status": "subscribed"})
 
     async def _aiohttp_get(self, url: str) -> bytes:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            # trust_env: HTTPS_PROXY / HTTP_PROXY / NO_PROXY apply to certificate fetches.
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=5), trust_env=True
+            )
         async with self._session.get(url, allow_redirects=False) as resp:
             resp.raise_for_status()
             return await resp.content.read(64 * 1024)
@@ -546,7 +605,10 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         await serve(await connect(), WebhookConfig.from_env())
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except ConfigError as e:
+        raise SystemExit(f"spotrain webhook: {e}") from None
 
 
 if __name__ == "__main__":

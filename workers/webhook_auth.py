@@ -17,20 +17,22 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
+import certifi
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.x509 import verification
 
 TIMESTAMP_HEADER = "X-Spotrain-Timestamp"
 SIGNATURE_HEADER = "X-Spotrain-Signature"
 
-# Certificates and subscription URLs are fetched only from SNS itself.
-SNS_HOST = r"^https://sns\.[a-z0-9-]+\.amazonaws\.com(\.cn)?/"
-SNS_URL = re.compile(SNS_HOST + r"[^#\s]*$")
-SNS_CERT_URL = re.compile(SNS_HOST + r"SimpleNotificationService-[A-Za-z0-9]+\.pem$")
+# A timestamp header is ASCII digits, at most 15 of them: anything else is simply not valid.
+UNIX_SECONDS = re.compile(r"[0-9]{1,15}")
 
 
 def _secret(env: Mapping[str, str], name: str) -> str | None:
@@ -48,6 +50,8 @@ class AuthConfig:
     hmac_secret: str | None = field(default=None, repr=False)
     replay_window_s: float = 300.0
     sns_topic_arns: frozenset[str] = frozenset()
+    sns_max_age_s: float = 3600.0
+    sns_ca_file: str = field(default_factory=certifi.where)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> AuthConfig:
@@ -57,6 +61,8 @@ class AuthConfig:
             hmac_secret=_secret(env, "SPOTRAIN_WEBHOOK_HMAC_SECRET"),
             replay_window_s=float(env.get("SPOTRAIN_WEBHOOK_REPLAY_WINDOW_S", "300")),
             sns_topic_arns=frozenset(t.strip() for t in topics.split(",") if t.strip()),
+            sns_max_age_s=float(env.get("SPOTRAIN_WEBHOOK_SNS_MAX_AGE_S", "3600")),
+            sns_ca_file=env.get("SPOTRAIN_WEBHOOK_SNS_CA_FILE") or certifi.where(),
         )
 
 
@@ -67,18 +73,23 @@ def hmac_headers(secret: str, body: bytes, now: float | None = None) -> dict[str
     return {TIMESTAMP_HEADER: ts, SIGNATURE_HEADER: f"sha256={digest}"}
 
 
+def _bytes(text: str) -> bytes:
+    """Any header value encodes (lone surrogates included), so none can raise."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def check_headers(config: AuthConfig, headers: Mapping[str, str], body: bytes) -> bool:
     """A valid bearer token, or a valid HMAC signature made within the replay window."""
     auth = headers.get("Authorization", "")
     if config.bearer_token and auth.startswith("Bearer "):
-        return hmac.compare_digest(auth[7:].encode(), config.bearer_token.encode())
+        return hmac.compare_digest(_bytes(auth[7:]), _bytes(config.bearer_token))
     ts, signature = headers.get(TIMESTAMP_HEADER, ""), headers.get(SIGNATURE_HEADER, "")
-    if not (config.hmac_secret and ts.isdigit() and signature):
+    if not (config.hmac_secret and UNIX_SECONDS.fullmatch(ts) and signature):
         return False
     if abs(time.time() - int(ts)) > config.replay_window_s:
         return False
     expected = hmac_headers(config.hmac_secret, body, now=int(ts))[SIGNATURE_HEADER]
-    return hmac.compare_digest(signature.encode(), expected.encode())
+    return hmac.compare_digest(_bytes(signature), expected.encode())
 
 
 # --- SNS message signatures ------------------------------------------------------------------
@@ -98,9 +109,39 @@ _SIGNED_FIELDS = {
 _SIGNED_FIELDS["UnsubscribeConfirmation"] = _SIGNED_FIELDS["SubscriptionConfirmation"]
 _HASHES: dict[str, type[hashes.HashAlgorithm]] = {"1": hashes.SHA1, "2": hashes.SHA256}
 
+TOPIC_ARN = re.compile(r"arn:aws(?:-cn|-us-gov)?:sns:([a-z]{2}(?:-[a-z]+)+-[0-9]):[0-9]{12}:.+")
+CERT_PATH = re.compile(r"/SimpleNotificationService-[A-Za-z0-9]+\.pem")
+# Where a signing certificate's issuer may be fetched from (its AIA caIssuers URL): Amazon
+# Trust Services only. What comes from there is still checked against the trust store.
+CA_ISSUER_URL = re.compile(r"https?://crt\.[a-z0-9]+\.amazontrust\.com/[A-Za-z0-9._-]+")
+FUTURE_SKEW_S = 300.0
 
-def is_sns_url(url: Any) -> bool:
-    return isinstance(url, str) and SNS_URL.match(url) is not None
+
+def sns_host(topic_arn: Any) -> str | None:
+    """SNS's own host in the topic's region (`.amazonaws.com.cn` in China): the only host a
+    certificate or a subscription URL for that topic is fetched from."""
+    match = TOPIC_ARN.fullmatch(topic_arn) if isinstance(topic_arn, str) else None
+    if match is None:
+        return None
+    region = match.group(1)
+    return f"sns.{region}.amazonaws.com" + (".cn" if region.startswith("cn-") else "")
+
+
+def is_sns_url(url: Any, host: str | None, path: re.Pattern[str] | None = None) -> bool:
+    """An https URL on exactly `host` (no port, no user info, no fragment); `path` if given
+    must match the whole path."""
+    if not (isinstance(url, str) and host):
+        return False
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    return (
+        parts.scheme == "https"
+        and parts.netloc == host
+        and not parts.fragment
+        and (path is None or path.fullmatch(parts.path) is not None)
+    )
 
 
 def sns_string_to_sign(message: Mapping[str, Any]) -> bytes:
@@ -112,45 +153,167 @@ def sns_string_to_sign(message: Mapping[str, Any]) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-class SnsVerifier:
-    """Checks an SNS message's signature against the certificate at its SigningCertURL.
+class SnsRejected(Exception):
+    """The message is not a fresh, correctly signed one from an allow-listed topic (401)."""
 
-    `http_get` fetches a URL's bytes; it is called only for URLs on the SNS host pattern, and
-    each certificate is fetched once and cached.
+
+class SnsUnavailable(Exception):
+    """The signing certificate could not be fetched: SNS should retry (503)."""
+
+
+@dataclass
+class _Cached:
+    until: float  # monotonic
+    key: rsa.RSAPublicKey | None = None
+    not_after: datetime | None = None
+    error: Exception | None = None
+
+
+class SnsVerifier:
+    """Checks an SNS message as AWS's own verifiers do, and more strictly: the certificate URL
+    is on SNS's host for the topic's region, the certificate chains to a trusted root and is
+    valid now, and the message is no older than `max_age_s` (a captured message cannot be
+    replayed later).
+
+    `http_get` fetches a URL's bytes (only SNS and Amazon Trust Services URLs reach it). A
+    certificate's key is cached for `key_ttl_s`; a failed fetch or a certificate that fails
+    its checks is remembered for `failure_ttl_s`, so a burst of messages costs one fetch.
+    `clock` is wall time (injectable, so tests can verify real messages signed in 2022).
     """
 
     def __init__(
-        self, topic_arns: frozenset[str], http_get: Callable[[str], Awaitable[bytes]]
+        self,
+        topic_arns: frozenset[str],
+        http_get: Callable[[str], Awaitable[bytes]],
+        *,
+        max_age_s: float = 3600.0,
+        ca_file: str | None = None,
+        clock: Callable[[], float] = time.time,
+        key_ttl_s: float = 3600.0,
+        failure_ttl_s: float = 10.0,
     ) -> None:
         self._topic_arns = topic_arns
         self._http_get = http_get
-        self._keys: dict[str, rsa.RSAPublicKey] = {}
+        self._max_age_s = max_age_s
+        with open(ca_file or certifi.where(), "rb") as f:
+            self._store = verification.Store(x509.load_pem_x509_certificates(f.read()))
+        self._clock = clock
+        self._key_ttl_s = key_ttl_s
+        self._failure_ttl_s = failure_ttl_s
+        self._cache: dict[str, _Cached] = {}
 
-    async def verify(self, message: Mapping[str, Any]) -> bool:
-        """True only for a correctly signed message from an allow-listed topic: anyone can
-        create a topic whose messages SNS signs, so the signature alone proves nothing."""
+    async def verify(self, message: Mapping[str, Any]) -> None:
+        """Returns for a good message; raises SnsRejected (with the reason) or SnsUnavailable.
+        Anyone can create a topic whose messages SNS signs, so the topic must be allow-listed."""
         topic, kind = message.get("TopicArn"), message.get("Type")
         if not (isinstance(topic, str) and topic in self._topic_arns):
-            return False  # (a JSON list or object there must not reach a set lookup)
-        url, version = message.get("SigningCertURL"), message.get("SignatureVersion")
-        algorithm = _HASHES.get(str(version))
+            raise SnsRejected("topic not allow-listed")  # (a list there must not reach a set)
+        algorithm = _HASHES.get(str(message.get("SignatureVersion")))
         if algorithm is None or not (isinstance(kind, str) and kind in _SIGNED_FIELDS):
-            return False
-        if not (isinstance(url, str) and SNS_CERT_URL.match(url)):
-            return False
+            raise SnsRejected("unknown Type or SignatureVersion")
+        url = message.get("SigningCertURL")
+        if not is_sns_url(url, sns_host(topic), CERT_PATH):
+            raise SnsRejected("SigningCertURL is not on the topic's SNS host")
+        self._check_fresh(message.get("Timestamp"))
         try:
             signature = base64.b64decode(str(message.get("Signature", "")), validate=True)
-            key = await self._key(url)
+        except ValueError:
+            raise SnsRejected("Signature is not base64") from None
+        key = await self._key(url, sns_host(topic) or "")
+        try:
             key.verify(signature, sns_string_to_sign(message), padding.PKCS1v15(), algorithm())
         except (InvalidSignature, ValueError, TypeError):
-            return False
-        return True
+            raise SnsRejected("bad signature") from None
 
-    async def _key(self, url: str) -> rsa.RSAPublicKey:
-        if url not in self._keys:
-            cert = x509.load_pem_x509_certificate(await self._http_get(url))
-            key = cert.public_key()
-            if not isinstance(key, rsa.RSAPublicKey):
-                raise ValueError("SNS certificate key is not RSA")
-            self._keys[url] = key
-        return self._keys[url]
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self._clock(), UTC)
+
+    def _check_fresh(self, timestamp: Any) -> None:
+        try:
+            sent = datetime.fromisoformat(str(timestamp))
+            age = (self._now() - sent).total_seconds()
+        except (ValueError, TypeError, OverflowError):
+            raise SnsRejected("Timestamp is not an ISO 8601 time") from None
+        if not -FUTURE_SKEW_S <= age <= self._max_age_s:
+            raise SnsRejected(f"Timestamp outside the freshness window ({age:.0f} s old)")
+
+    async def _key(self, url: str, host: str) -> rsa.RSAPublicKey:
+        entry = self._cache.get(url)
+        if entry is None or entry.until < time.monotonic():
+            try:
+                key, not_after = await self._load(url, host)
+                entry = _Cached(time.monotonic() + self._key_ttl_s, key, not_after)
+            except (SnsRejected, SnsUnavailable) as e:
+                entry = _Cached(time.monotonic() + self._failure_ttl_s, error=e)
+            self._cache[url] = entry
+        if entry.error is not None:
+            raise entry.error
+        assert entry.key is not None and entry.not_after is not None
+        if self._now() > entry.not_after:
+            raise SnsRejected("signing certificate expired")
+        return entry.key
+
+    async def _load(self, url: str, host: str) -> tuple[rsa.RSAPublicKey, datetime]:
+        """Fetch the certificate (and, if the PEM holds only the leaf, its issuer from the
+        leaf's caIssuers URL) and verify the chain for SNS's name, at the clock's time."""
+        certs = _certificates(await self._fetch(url))
+        if not certs:
+            raise SnsRejected("SigningCertURL holds no certificate")
+        leaf, intermediates = certs[0], certs[1:]
+        try:
+            self._check_chain(leaf, intermediates, host)
+        except SnsRejected:
+            if intermediates:
+                raise
+            issuer = _certificates(await self._fetch(_ca_issuer_url(leaf)))
+            self._check_chain(leaf, issuer, host)
+        key = leaf.public_key()
+        if not isinstance(key, rsa.RSAPublicKey):
+            raise SnsRejected("signing certificate key is not RSA")
+        return key, leaf.not_valid_after_utc
+
+    def _check_chain(
+        self, leaf: x509.Certificate, intermediates: list[x509.Certificate], host: str
+    ) -> None:
+        """Chains to a trusted root, valid at the clock's time, for the regional SNS name or
+        the global one (the name SNS's certificates carry)."""
+        builder = verification.PolicyBuilder().store(self._store).time(self._now())
+        reason = ""
+        for name in (host, "sns.amazonaws.com"):
+            verifier = builder.build_server_verifier(verification.DNSName(name))
+            try:
+                verifier.verify(leaf, intermediates)
+                return
+            except (verification.VerificationError, ValueError) as e:
+                reason = str(e)
+        raise SnsRejected(f"signing certificate not trusted: {reason}"[:300])
+
+    async def _fetch(self, url: str) -> bytes:
+        try:
+            return await self._http_get(url)
+        except Exception as e:  # any transport failure: the sender should retry
+            raise SnsUnavailable(f"fetching {url}: {type(e).__name__} {e}"[:300]) from None
+
+
+def _certificates(data: bytes) -> list[x509.Certificate]:
+    """PEM (one or more certificates) or DER, as CAs serve them."""
+    try:
+        if b"-----BEGIN CERTIFICATE-----" in data:
+            return x509.load_pem_x509_certificates(data)
+        return [x509.load_der_x509_certificate(data)]
+    except ValueError:
+        raise SnsRejected("not a certificate") from None
+
+
+def _ca_issuer_url(leaf: x509.Certificate) -> str:
+    try:
+        aia = leaf.extensions.get_extension_for_class(x509.AuthorityInformationAccess).value
+    except x509.ExtensionNotFound:
+        aia = []  # type: ignore[assignment]
+    for access in aia:
+        url = access.access_location.value
+        if access.access_method == x509.AuthorityInformationAccessOID.CA_ISSUERS and (
+            isinstance(url, str) and CA_ISSUER_URL.fullmatch(url)
+        ):
+            return url
+    raise SnsRejected("signing certificate names no Amazon Trust Services issuer")

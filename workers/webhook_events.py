@@ -1,19 +1,22 @@
 """Turn the reclaim notices clouds send into the signal payloads the TrainingJob workflow takes.
 
 Pure functions, no I/O: every input shape (the plain spotrain form, AWS EventBridge events
-direct or wrapped in SNS, Kubernetes node-termination-handler / Karpenter notices) is
-validated here and normalised to a `ReclaimNotice`, a `NodeLost` or an `Ignored`. Errors name
-the offending field so a sender can fix its request (HTTP 400 for bytes that are not JSON, 422
-for JSON of the wrong shape).
+direct or wrapped in SNS, aws-node-termination-handler's webhook) is validated here and
+normalised to a list of `ReclaimNotice`, `NodeLost` or `Ignored` (an AWS Health event can name
+several instances). Errors name the offending field so a sender can fix its request (HTTP 400
+for bytes that are not JSON, 422 for JSON of the wrong shape). Times are kept to a sane range,
+so no input can overflow date arithmetic here or in the workflow.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+import re
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     AwareDatetime,
     BaseModel,
@@ -31,6 +34,21 @@ NodeId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{
 EventId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def _sane_time(value: datetime) -> datetime:
+    """In UTC and between 1970 and 2999: a notice outside that is not a real one, and far
+    calendar ends would overflow `time + 2 minutes` or the workflow's `deadline - now`."""
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("time out of range") from None
+    if not 1970 <= utc.year <= 2999:
+        raise ValueError("time out of range (1970-2999)")
+    return utc
+
+
+Instant = Annotated[AwareDatetime, AfterValidator(_sane_time)]
 
 SPOT_NOTICE = timedelta(minutes=2)  # AWS: the interruption warning comes 2 min before
 
@@ -90,18 +108,20 @@ class PlainReclaim(BaseModel):
 
     instance_id: NodeId
     event_id: EventId
-    deadline: AwareDatetime | None = None
+    deadline: Instant | None = None
     kind: Literal["interruption", "rebalance"] = "interruption"
     lost: bool = False
 
 
-def parse_reclaim(obj: Any) -> Outcome:
+def parse_reclaim(obj: Any) -> list[Outcome]:
     req = _validate(PlainReclaim, obj)
     if req.lost:
-        return NodeLost(node_id=req.instance_id, event_id=req.event_id)
-    return ReclaimNotice(
-        node_id=req.instance_id, deadline=req.deadline, event_id=req.event_id, kind=req.kind
-    )
+        return [NodeLost(node_id=req.instance_id, event_id=req.event_id)]
+    return [
+        ReclaimNotice(
+            node_id=req.instance_id, deadline=req.deadline, event_id=req.event_id, kind=req.kind
+        )
+    ]
 
 
 # --- AWS EventBridge (direct, SNS-wrapped, or from SQS): POST /v1/events/aws -----------------
@@ -110,7 +130,7 @@ def parse_reclaim(obj: Any) -> Outcome:
 class AwsEvent(BaseModel):
     id: EventId
     detail_type: str = Field(alias="detail-type")
-    time: AwareDatetime
+    time: Instant
     detail: dict[str, Any]
 
 
@@ -119,8 +139,26 @@ class Ec2Detail(BaseModel):
     state: str | None = None
 
 
-LOST_STATES = {"shutting-down", "terminated"}
+class CapacityReservationDetail(Ec2Detail):
+    termination_time: Instant | None = Field(None, alias="instance-termination-time")
 
+
+class HealthDetail(BaseModel):
+    service: str | None = None
+    category: str | None = Field(None, alias="eventTypeCategory")
+    entities: list[dict[str, Any]] = Field(default_factory=list, alias="affectedEntities")
+
+
+# The states in which an instance can no longer run its rank: the set aws-node-termination-
+# handler drains on and Karpenter acts on. A stopping instance is lost too: NTH's webhook
+# cannot tell which state it saw, so both paths treat all four alike.
+LOST_STATES = {"stopping", "stopped", "shutting-down", "terminated"}
+
+SPOT_ITN = "EC2 Spot Instance Interruption Warning"
+CAPACITY_RESERVATION_ITN = "EC2 Capacity Reservation Instance Interruption Warning"
+REBALANCE = "EC2 Instance Rebalance Recommendation"
+STATE_CHANGE = "EC2 Instance State-change Notification"
+HEALTH = "AWS Health Event"
 
 SNS_TYPES = ("Notification", "SubscriptionConfirmation", "UnsubscribeConfirmation")
 
@@ -130,12 +168,18 @@ def is_sns_envelope(obj: Any) -> bool:
     return isinstance(obj, dict) and obj.get("Type") in SNS_TYPES
 
 
-def parse_aws(obj: Any) -> Outcome:
+def health_event_id(event_id: str, instance_id: str) -> str:
+    """One Health event may name several instances; each gets its own event id (a job owning
+    two of them must get both), the same whichever path brought it."""
+    return f"{event_id}/{instance_id}"
+
+
+def parse_aws(obj: Any) -> list[Outcome]:
     """An EventBridge event, or an SNS notification whose Message is one. The event id is
     EventBridge's, so the same event arriving by two paths signals the same event id."""
     if is_sns_envelope(obj):
         if obj["Type"] != "Notification":
-            return Ignored(reason=f"SNS {obj['Type']}")
+            return [Ignored(reason=f"SNS {obj['Type']}")]
         message = obj.get("Message")
         if not isinstance(message, str):
             raise SchemaError("Message", "SNS Message must be a string")
@@ -144,34 +188,69 @@ def parse_aws(obj: Any) -> Outcome:
         except MalformedJSON:
             raise SchemaError("Message", "SNS Message is not JSON") from None
     event = _validate(AwsEvent, obj)
-    if event.detail_type == "EC2 Spot Instance Interruption Warning":
+    kind = event.detail_type
+    if kind == SPOT_ITN:  # sent two minutes before the instance is taken
         detail = _validate(Ec2Detail, event.detail)
-        return ReclaimNotice(
-            node_id=detail.instance_id, deadline=event.time + SPOT_NOTICE, event_id=event.id
-        )
-    if event.detail_type == "EC2 Instance Rebalance Recommendation":
+        deadline = event.time + SPOT_NOTICE
+        return [ReclaimNotice(node_id=detail.instance_id, deadline=deadline, event_id=event.id)]
+    if kind == CAPACITY_RESERVATION_ITN:  # likewise, and it names the termination time
+        cr = _validate(CapacityReservationDetail, event.detail)
+        deadline = cr.termination_time or event.time + SPOT_NOTICE
+        return [ReclaimNotice(node_id=cr.instance_id, deadline=deadline, event_id=event.id)]
+    if kind == REBALANCE:
         detail = _validate(Ec2Detail, event.detail)
-        return ReclaimNotice(node_id=detail.instance_id, event_id=event.id, kind="rebalance")
-    if event.detail_type == "EC2 Instance State-change Notification":
+        return [_early_warning(detail.instance_id, event.id)]
+    if kind == STATE_CHANGE:
         detail = _validate(Ec2Detail, event.detail)
         if detail.state in LOST_STATES:
-            return NodeLost(node_id=detail.instance_id, event_id=event.id)
-        return Ignored(reason=f"instance state {detail.state!r}")
-    return Ignored(reason="unknown detail-type")
+            return [NodeLost(node_id=detail.instance_id, event_id=event.id)]
+        return [Ignored(reason=f"instance state {detail.state!r}")]
+    if kind == HEALTH:
+        return _health(event)
+    return [Ignored(reason="unknown detail-type")]
 
 
-# --- Kubernetes notices: POST /v1/events/kubernetes ------------------------------------------
+def _early_warning(node_id: str, event_id: str) -> ReclaimNotice:
+    """Rebalance recommendations and scheduled changes: no deadline (the instance is not
+    being taken yet); a job acts on them only with `elastic.act_on_rebalance`."""
+    return ReclaimNotice(node_id=node_id, event_id=event_id, kind="rebalance")
 
-# aws-node-termination-handler `Kind`s and Karpenter's interruption event reasons.
-KUBE_KINDS: dict[str, Literal["interruption", "rebalance", "lost"]] = {
+
+def _health(event: AwsEvent) -> list[Outcome]:
+    """AWS Health scheduled changes for EC2 (retirement, maintenance): an early warning for
+    each affected instance, as NTH and Karpenter treat them."""
+    detail = _validate(HealthDetail, event.detail)
+    if detail.service != "EC2" or detail.category != "scheduledChange":
+        return [Ignored(reason="AWS Health event not an EC2 scheduled change")]
+    ids = [e.get("entityValue") for e in detail.entities]
+    instances = [i for i in ids if isinstance(i, str) and INSTANCE_ID.fullmatch(i)]
+    if not instances:
+        return [Ignored(reason="AWS Health event names no instance")]
+    return [_early_warning(i, health_event_id(event.id, i)) for i in instances]
+
+
+INSTANCE_ID = re.compile(r"i-[0-9a-f]{8,17}")
+
+
+# --- aws-node-termination-handler: POST /v1/events/kubernetes ------------------------------
+
+# NTH's `Kind`s. A scheduled event (IMDS) or AWS Health scheduled change (queue) is an early
+# warning, like a rebalance recommendation; ASG lifecycle hooks and the rest are not reclaims.
+NTH_KINDS: dict[str, Literal["interruption", "rebalance", "lost"]] = {
     "SPOT_ITN": "interruption",
-    "SpotInterrupted": "interruption",
     "REBALANCE_RECOMMENDATION": "rebalance",
-    "SpotRebalanceRecommendation": "rebalance",
+    "SCHEDULED_EVENT": "rebalance",
     "STATE_CHANGE": "lost",
-    "InstanceTerminating": "lost",
-    "InstanceStopping": "lost",
 }
+
+# In queue mode NTH's event id is a prefix plus the hex of EventBridge's event id
+# (`fmt.Sprintf("spot-itn-event-%x", event.ID)`): decoding it gives back EventBridge's id, so a
+# notice that came through NTH and the same event sent to /v1/events/aws dedupe.
+NTH_QUEUE_EVENT_ID = re.compile(
+    r"(spot-itn-event|rebalance-recommendation-event|ec2-state-change-event"
+    r"|aws-health-scheduled-change-event)-((?:[0-9a-f]{2})+)"
+)
+NTH_QUEUE_MONITOR = "SQS_MONITOR"
 
 
 def _alias(*names: str) -> Any:
@@ -179,14 +258,22 @@ def _alias(*names: str) -> Any:
 
 
 class KubeNotice(BaseModel):
-    """snake_case fields, or the names of NTH's webhook template (`{{ .EventID }}` ...)."""
+    """snake_case fields, or the names of NTH's webhook template (`{{ .EventID }}` ...).
+
+    NTH's `StartTime` means different things per monitor: in IMDS mode (SPOT_ITN_MONITOR) it
+    is when the instance will be taken; in queue mode (SQS_MONITOR) it is when EventBridge sent
+    the notice, two minutes before that. `deadline` (snake_case senders) is always the
+    deadline.
+    """
 
     event_id: EventId = Field(validation_alias=AliasChoices("event_id", "EventID"))
     kind: str = Field(validation_alias=AliasChoices("kind", "Kind"))
+    monitor: str | None = _alias("monitor", "Monitor")
     instance_id: NodeId | None = _alias("instance_id", "InstanceID")
     provider_id: str | None = _alias("provider_id", "ProviderID")
     node_name: NodeId | None = _alias("node_name", "NodeName")
-    deadline: AwareDatetime | None = _alias("deadline", "StartTime")
+    deadline: Instant | None = None
+    start_time: Instant | None = _alias("start_time", "StartTime")
 
     @field_validator("*", mode="before")
     @classmethod
@@ -215,14 +302,39 @@ def _node_id(notice: KubeNotice) -> str:
     raise SchemaError("instance_id", "one of instance_id, provider_id, node_name is required")
 
 
-def parse_kubernetes(obj: Any) -> Outcome:
+def eventbridge_id(nth_event_id: str) -> str | None:
+    """EventBridge's event id inside an NTH queue-mode event id, else None (IMDS mode: NTH's
+    ids there are hashes of the metadata, with nothing to share with EventBridge)."""
+    match = NTH_QUEUE_EVENT_ID.fullmatch(nth_event_id)
+    if match is None:
+        return None
+    try:
+        decoded = bytes.fromhex(match.group(2)).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return decoded if 0 < len(decoded) <= 200 and decoded.isprintable() else None
+
+
+def _deadline(notice: KubeNotice, from_queue: bool) -> datetime | None:
+    if notice.deadline or notice.start_time is None:
+        return notice.deadline
+    return notice.start_time + SPOT_NOTICE if from_queue else notice.start_time
+
+
+def parse_kubernetes(obj: Any) -> list[Outcome]:
     notice = _validate(KubeNotice, obj)
-    action = KUBE_KINDS.get(notice.kind)
+    action = NTH_KINDS.get(notice.kind)
     if action is None:
-        return Ignored(reason="unknown kind")
+        return [Ignored(reason="unknown kind")]
     node_id = _node_id(notice)
+    shared_id = eventbridge_id(notice.event_id)
+    from_queue = shared_id is not None or notice.monitor == NTH_QUEUE_MONITOR
+    event_id = shared_id or notice.event_id
+    if notice.event_id.startswith("aws-health-scheduled-change-event-") and shared_id:
+        event_id = health_event_id(shared_id, node_id)
     if action == "lost":
-        return NodeLost(node_id=node_id, event_id=notice.event_id)
-    return ReclaimNotice(
-        node_id=node_id, deadline=notice.deadline, event_id=notice.event_id, kind=action
-    )
+        return [NodeLost(node_id=node_id, event_id=event_id)]
+    if action == "rebalance":
+        return [_early_warning(node_id, event_id)]
+    deadline = _deadline(notice, from_queue)
+    return [ReclaimNotice(node_id=node_id, deadline=deadline, event_id=event_id)]
