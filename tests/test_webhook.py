@@ -248,15 +248,18 @@ async def running_webhook(
     topics: tuple[str, ...] = (),
     http_get: Callable[[str], Awaitable[bytes]] | None = None,
     clock: Callable[[], float] = time.time,
+    public_roots: bool = False,
     **config: Any,
 ) -> AsyncIterator[Webhook]:
+    """The service on a free port; SNS certificates are trusted from the test CA, or with
+    `public_roots` from the public roots (certifi), as in production."""
     ca_file = os.path.join(tempfile.mkdtemp(prefix="spotrain-ca-"), "ca.pem")
     sns = FakeSnsHost(ca_file)
     auth = AuthConfig(
         bearer_token=TOKEN,
         hmac_secret=HMAC_SECRET,
         sns_topic_arns=frozenset([TOPIC, *topics]),
-        sns_ca_file=ca_file,
+        **({} if public_roots else {"sns_ca_file": ca_file}),
     )
     service = WebhookService(
         client,

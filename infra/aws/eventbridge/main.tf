@@ -5,17 +5,19 @@
 locals {
   api_destination = var.webhook_url != ""
   tags            = merge({ "spotrain" = "true", "spotrain:component" = "reclaim-webhook" }, var.tags)
-  # Interruption warnings and rebalance recommendations; instances shutting down or terminated.
+  # Interruption warnings (spot, capacity reservation) and early warnings (rebalance
+  # recommendations, AWS Health scheduled changes for EC2); instances stopping or terminating.
   patterns = {
-    spot  = file("${path.module}/patterns/spot.json")
-    state = file("${path.module}/patterns/state.json")
+    spot   = file("${path.module}/patterns/spot.json")
+    state  = file("${path.module}/patterns/state.json")
+    health = file("${path.module}/patterns/health.json")
   }
 }
 
 resource "aws_cloudwatch_event_rule" "reclaims" {
   for_each      = local.patterns
   name          = "${var.name}-${each.key}"
-  description   = "spotrain: EC2 ${each.key} events for the reclaim webhook"
+  description   = "spotrain: ${each.key} events for the reclaim webhook"
   event_pattern = each.value
   tags          = local.tags
 }
