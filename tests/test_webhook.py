@@ -713,13 +713,12 @@ def test_terraform_is_formatted_and_valid(tmp_path: Path) -> None:
     assert json.loads(validate.stdout)["valid"], validate.stdout
 
 
-async def test_service_process_reads_its_config_from_env_and_files(
-    dev_env: WorkflowEnvironment, tmp_path: Path
-) -> None:
-    """`python -m spotrain.workers.webhook` as a real process: Temporal's standard env vars,
-    the token from a mounted file, structured logs that never show it."""
-    token_file = tmp_path / "token"
-    token_file.write_text("file-token-123\n")
+@contextlib.asynccontextmanager
+async def webhook_process(
+    dev_env: WorkflowEnvironment, settings: dict[str, str]
+) -> AsyncIterator[tuple[str, list[str]]]:
+    """`python -m spotrain.workers.webhook` as a real process on a free port, ready (Temporal
+    answers); yields its URL and, once it has stopped, its output (in the list)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -727,13 +726,14 @@ async def test_service_process_reads_its_config_from_env_and_files(
         "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
         "SPOTRAIN_WEBHOOK_HOST": "127.0.0.1",
         "SPOTRAIN_WEBHOOK_PORT": str(port),
-        "SPOTRAIN_WEBHOOK_TOKEN_FILE": str(token_file),
+        **settings,
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "spotrain.workers.webhook", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    output: list[str] = []
     try:
         async with aiohttp.ClientSession() as http:
 
@@ -744,14 +744,42 @@ async def test_service_process_reads_its_config_from_env_and_files(
                 return False
 
             await eventually(ready, timeout=30)
-            body = {"instance_id": "i-0proc", "event_id": "p1"}
-            headers = {"Authorization": "Bearer file-token-123"}
-            async with http.post(url + "/v1/reclaims", json=body, headers=headers) as resp:
-                assert resp.status == 202
-            async with http.post(url + "/v1/reclaims", json=body) as resp:
-                assert resp.status == 401
+        yield url, output
     finally:
         proc.terminate()
-        output = (await proc.communicate())[0].decode()
-    assert '"event": "unknown_instance"' in output and '"node_id": "i-0proc"' in output
-    assert "file-token-123" not in output
+        output.append((await proc.communicate())[0].decode())
+
+
+async def test_service_process_reads_its_config_from_env_and_files(
+    dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """Temporal's standard env vars, the token from a mounted file, structured logs that never
+    show it."""
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token-123\n")
+    settings = {"SPOTRAIN_WEBHOOK_TOKEN_FILE": str(token_file)}
+    async with webhook_process(dev_env, settings) as (url, output), aiohttp.ClientSession() as http:
+        body = {"instance_id": "i-0proc", "event_id": "p1"}
+        headers = {"Authorization": "Bearer file-token-123"}
+        async with http.post(url + "/v1/reclaims", json=body, headers=headers) as resp:
+            assert resp.status == 202
+        async with http.post(url + "/v1/reclaims", json=body) as resp:
+            assert resp.status == 401
+    assert '"event": "unknown_instance"' in output[0] and '"node_id": "i-0proc"' in output[0]
+    assert "file-token-123" not in output[0]
+
+
+async def test_service_process_refuses_a_queue_it_was_not_told_it_owns(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    env = os.environ | {
+        "SPOTRAIN_WEBHOOK_QUEUE_URL": "http://127.0.0.1:1/q",
+        "SPOTRAIN_WEBHOOK_PORT": "0",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "spotrain.workers.webhook", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    output = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
+    assert proc.returncode != 0
+    assert "SPOTRAIN_WEBHOOK_QUEUE_DEDICATED=1" in output and "Traceback" not in output

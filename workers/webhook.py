@@ -21,7 +21,6 @@ import logging
 import os
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -65,6 +64,7 @@ from spotrain.workers.webhook_events import (
     parse_kubernetes,
     parse_reclaim,
 )
+from spotrain.workers.webhook_metrics import Metrics
 from spotrain.workflows import attributes
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
 
@@ -81,6 +81,18 @@ def _log(level: int, event: str, **fields: Any) -> None:
     log.log(level, json.dumps({"event": event, **fields}, default=str))
 
 
+class ConfigError(ValueError):
+    """A setting the service refuses to start with; the message says what to change."""
+
+
+SHARED_QUEUE = (
+    "queue mode deletes every message it reads, so it needs a queue of its own (a second "
+    "EventBridge target, as infra/aws/eventbridge creates); pointed at a queue that "
+    "aws-node-termination-handler or Karpenter also reads, it would take their messages. "
+    "Set SPOTRAIN_WEBHOOK_QUEUE_DEDICATED=1 to confirm the queue is spotrain's alone."
+)
+
+
 @dataclass(frozen=True)
 class WebhookConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -95,6 +107,10 @@ class WebhookConfig:
     poll_wait_s: int = 10
     visibility_timeout_s: int = 30
     kube_nodes: bool = False  # resolve Kubernetes node names through the API (providerID)
+
+    def __post_init__(self) -> None:
+        if self.queue_url and not self.queue_dedicated:
+            raise ConfigError(SHARED_QUEUE)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WebhookConfig:
@@ -115,63 +131,8 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "") not in ("", "0", "false")
 
 
-class ConfigError(ValueError):
-    """A setting the service refuses to start with; the message says what to change."""
-
-
-SHARED_QUEUE = (
-    "queue mode deletes every message it reads, so it needs a queue of its own (a second "
-    "EventBridge target, as infra/aws/eventbridge creates); pointed at a queue that "
-    "aws-node-termination-handler or Karpenter also reads, it would take their messages. "
-    "Set SPOTRAIN_WEBHOOK_QUEUE_DEDICATED=1 to confirm the queue is spotrain's alone."
-)
-
-
 class TemporalUnavailable(Exception):
     """Temporal did not accept the lookup or the signal: the sender must retry."""
-
-
-# --- metrics (Prometheus text format) --------------------------------------------------------
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-class Metrics:
-    """Counters with fixed label sets plus one latency histogram: enough for /metrics without
-    pulling in a client library."""
-
-    def __init__(self) -> None:
-        self.counters: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
-        self.buckets = [0] * len(LATENCY_BUCKETS)
-        self.latency_sum = 0.0
-        self.latency_count = 0
-
-    def inc(self, name: str, **labels: str) -> None:
-        self.counters[(name, tuple(sorted(labels.items())))] += 1
-
-    def observe(self, seconds: float) -> None:
-        for i, bound in enumerate(LATENCY_BUCKETS):
-            if seconds <= bound:
-                self.buckets[i] += 1
-        self.latency_sum += seconds
-        self.latency_count += 1
-
-    def render(self) -> str:
-        lines = []
-        for name in sorted({n for n, _ in self.counters}):
-            lines.append(f"# TYPE {name} counter")
-            for (n, labels), value in sorted(self.counters.items()):
-                if n == name:
-                    text = ",".join(f'{k}="{v}"' for k, v in labels)
-                    lines.append(f"{name}{{{text}}} {value}" if text else f"{name} {value}")
-        hist = "spotrain_webhook_signal_latency_seconds"
-        lines.append(f"# TYPE {hist} histogram")
-        for bound, count in zip(LATENCY_BUCKETS, self.buckets, strict=True):
-            lines.append(f'{hist}_bucket{{le="{bound}"}} {count}')
-        lines.append(f'{hist}_bucket{{le="+Inf"}} {self.latency_count}')
-        lines.append(f"{hist}_sum {self.latency_sum}")
-        lines.append(f"{hist}_count {self.latency_count}")
-        return "\n".join(lines) + "\n"
 
 
 # --- instance id -> job workflow -> signal ---------------------------------------------------
@@ -435,8 +396,6 @@ class WebhookService:
 
     async def start(self) -> int:
         """Listen (port 0 picks a free one) and start the poller; returns the port."""
-        if self.config.queue_url and not self.config.queue_dedicated:
-            raise ConfigError(SHARED_QUEUE)
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -602,13 +561,15 @@ def main(argv: list[str] | None = None) -> None:
     ).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    async def run() -> None:
-        await serve(await connect(), WebhookConfig.from_env())
-
     try:
-        asyncio.run(run())
+        config = WebhookConfig.from_env()
     except ConfigError as e:
         raise SystemExit(f"spotrain webhook: {e}") from None
+
+    async def run() -> None:
+        await serve(await connect(), config)
+
+    asyncio.run(run())
 
 
 if __name__ == "__main__":
