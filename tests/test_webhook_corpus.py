@@ -12,6 +12,7 @@ Only the two certificate downloads are served by a stand-in (no internet here)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -23,8 +24,8 @@ import aiohttp
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.webhook import ConfigError, SqsPoller, WebhookConfig
-from spotrain.workers.webhook_auth import TIMESTAMP_HEADER, hmac_headers
+from spotrain.workers.webhook import ConfigError, SqsPoller, WebhookConfig, WebhookService
+from spotrain.workers.webhook_auth import TIMESTAMP_HEADER, AuthConfig, hmac_headers
 from spotrain.workflows.contract import ReclaimNotice
 
 from .test_webhook import (  # noqa: F401 (hook, jobs, queue: the shared fixtures)
@@ -198,6 +199,19 @@ def a_minute_after(message: dict[str, Any]) -> Callable[[], float]:
     return lambda: sent + 60
 
 
+def sns_webhook(
+    dev_env: WorkflowEnvironment, host: RealSnsHost, clock: Callable[[], float] = time.time
+) -> contextlib.AbstractAsyncContextManager[Webhook]:
+    """The webhook as deployed for the 2022 topics: public roots, certificates from `host`."""
+    return running_webhook(
+        dev_env.client,
+        topics=tuple(SNS_TOPIC_2022),
+        public_roots=True,
+        http_get=host.get,
+        clock=clock,
+    )
+
+
 @pytest.mark.parametrize("fixture", SNS_FIXTURES, ids=lambda p: p.stem)
 async def test_real_sns_deliveries_verify_on_their_day_and_not_today(
     dev_env: WorkflowEnvironment, fixture: Path
@@ -207,13 +221,7 @@ async def test_real_sns_deliveries_verify_on_their_day_and_not_today(
     changed byte never authenticates."""
     message = json.loads(fixture.read_text())
     host = RealSnsHost()
-    async with running_webhook(
-        dev_env.client,
-        topics=tuple(SNS_TOPIC_2022),
-        public_roots=True,
-        http_get=host.get,
-        clock=a_minute_after(message),
-    ) as hook:
+    async with sns_webhook(dev_env, host, a_minute_after(message)) as hook:
         assert await hook.post("/v1/events/aws", message, headers={}) == (
             422,
             {"error": "SNS Message is not JSON", "field": "Message"},
@@ -221,9 +229,7 @@ async def test_real_sns_deliveries_verify_on_their_day_and_not_today(
         tampered = {**message, "Message": "Hello world!"}
         assert (await hook.post("/v1/events/aws", tampered, headers={}))[0] == 401
     assert set(host.urls) == {LEAF_URL, ISSUER_URL}
-    async with running_webhook(
-        dev_env.client, topics=tuple(SNS_TOPIC_2022), public_roots=True, http_get=host.get
-    ) as hook:
+    async with sns_webhook(dev_env, host) as hook:
         assert (await hook.post("/v1/events/aws", message, headers={}))[0] == 401
 
 
@@ -234,13 +240,7 @@ async def test_sns_certificate_host_is_pinned_to_the_topics_region(
     user-info trick) is refused before anything is fetched."""
     message = json.loads(SNS_FIXTURES[0].read_text())
     host = RealSnsHost()
-    async with running_webhook(
-        dev_env.client,
-        topics=tuple(SNS_TOPIC_2022),
-        public_roots=True,
-        http_get=host.get,
-        clock=a_minute_after(message),
-    ) as hook:
+    async with sns_webhook(dev_env, host, a_minute_after(message)) as hook:
         pem = "/SimpleNotificationService-7ff5318490ec183fbaddaa2a969abfda.pem"
         for url in [
             f"https://sns.s3.amazonaws.com{pem}",
@@ -260,13 +260,7 @@ async def test_sns_fetch_failures_are_503_with_retry_after_and_cached_briefly(
 ) -> None:
     message = json.loads(SNS_FIXTURES[0].read_text())
     host = RealSnsHost(fail=True)
-    async with running_webhook(
-        dev_env.client,
-        topics=tuple(SNS_TOPIC_2022),
-        public_roots=True,
-        http_get=host.get,
-        clock=a_minute_after(message),
-    ) as hook:
+    async with sns_webhook(dev_env, host, a_minute_after(message)) as hook:
         for _ in range(3):
             async with hook.http.post(hook.url + "/v1/events/aws", json=message) as resp:
                 assert resp.status == 503
@@ -298,17 +292,15 @@ async def test_sns_certificate_fetch_goes_through_https_proxy(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
     message = json.loads(SNS_FIXTURES[0].read_text())
-    try:
-        async with running_webhook(
-            dev_env.client,
-            topics=tuple(SNS_TOPIC_2022),
-            public_roots=True,
-            clock=a_minute_after(message),
-        ) as hook:
-            hook.service._http_get = hook.service._aiohttp_get
-            hook.service._sns._http_get = hook.service._aiohttp_get
-            assert (await hook.post("/v1/events/aws", message, headers={}))[0] == 503
+    auth = AuthConfig(sns_topic_arns=frozenset(SNS_TOPIC_2022))
+    config = WebhookConfig(auth=auth, host="127.0.0.1", port=0)
+    service = WebhookService(dev_env.client, config, clock=a_minute_after(message))
+    try:  # the service's own fetcher, as deployed
+        url = f"http://127.0.0.1:{await service.start()}/v1/events/aws"
+        async with aiohttp.ClientSession() as http, http.post(url, json=message) as resp:
+            assert resp.status == 503
     finally:
+        await service.stop()
         server.close()
     assert connects == ["CONNECT sns.us-east-2.amazonaws.com:443 HTTP/1.1"]
 

@@ -2,9 +2,9 @@
 AWS SNS) the message's own signature from an allow-listed topic.
 
 A forged notice would make a job checkpoint and shrink for nothing, so every request must pass
-one of these before its body is even parsed as an event. Secrets come from environment
-variables or files (Kubernetes Secrets mounted as files), are compared in constant time, and
-never appear in a repr or a log line.
+one of these before its body is parsed as an event (for SNS only the envelope is read first, to
+check its signature). Secrets come from environment variables or files (Kubernetes Secrets
+mounted as files), are compared in constant time, and never appear in a repr or a log line.
 """
 
 from __future__ import annotations
