@@ -243,7 +243,7 @@ SCHEMATHESIS = shutil.which("st", path=str(Path(sys.executable).parent))
 
 @pytest.mark.skipif(SCHEMATHESIS is None, reason="schemathesis is not installed")
 async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
-    dev_env: WorkflowEnvironment,
+    dev_env: WorkflowEnvironment, tmp_path: Path
 ) -> None:
     """Requests generated from webhook_openapi.yaml (valid and invalid ones) against a real
     webhook process: no 5xx, and every answer's status and body as the description says."""
@@ -254,7 +254,7 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
             "--header", f"Authorization: Bearer {TOKEN}",
             "--checks", "not_a_server_error,status_code_conformance,response_schema_conformance",
             "--max-examples", "40", "--seed", "20",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
         )  # fmt: skip
         output = (await asyncio.wait_for(proc.communicate(), 280))[0].decode()
     assert proc.returncode == 0, output[-4000:]
