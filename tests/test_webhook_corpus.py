@@ -25,7 +25,13 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.webhook import ConfigError, SqsPoller, WebhookConfig, WebhookService
-from spotrain.workers.webhook_auth import TIMESTAMP_HEADER, AuthConfig, hmac_headers
+from spotrain.workers.webhook_auth import (
+    TIMESTAMP_HEADER,
+    AuthConfig,
+    SnsRejected,
+    SnsVerifier,
+    hmac_headers,
+)
 from spotrain.workflows.contract import ReclaimNotice
 
 from .test_webhook import (  # noqa: F401 (hook, jobs, queue: the shared fixtures)
@@ -386,3 +392,26 @@ def test_queue_mode_refuses_a_queue_not_declared_its_own() -> None:
         WebhookConfig(queue_url="http://127.0.0.1:1/q")
     env = {"SPOTRAIN_WEBHOOK_QUEUE_URL": "u", "SPOTRAIN_WEBHOOK_QUEUE_DEDICATED": "1"}
     assert WebhookConfig.from_env(env).queue_dedicated
+
+
+# --- the certificate cache's lifetimes (the verifier alone, no service) -----------------------
+
+
+async def test_cached_keys_expire_and_never_outlive_their_certificate() -> None:
+    message = json.loads(SNS_FIXTURES[0].read_text())
+    host = RealSnsHost()
+    now = [a_minute_after(message)()]
+    topics = frozenset(SNS_TOPIC_2022)
+    cached = SnsVerifier(topics, host.get, clock=lambda: now[0])
+    for _ in range(3):
+        await cached.verify(message)
+    assert host.urls == [LEAF_URL, ISSUER_URL]  # fetched once, then cached
+    uncached = SnsVerifier(topics, host.get, clock=lambda: now[0], key_ttl_s=0)
+    for _ in range(2):
+        await uncached.verify(message)
+    assert host.urls == [LEAF_URL, ISSUER_URL] * 3  # a lifetime of 0: fetched every time
+    expired = datetime(2022, 8, 18, tzinfo=UTC).timestamp()  # the leaf ended 2022-08-17
+    now[0] = expired
+    sent_before_expiry = {**message, "Timestamp": "2022-08-17T23:59:00.000Z"}
+    with pytest.raises(SnsRejected, match="expired"):
+        await cached.verify(sent_before_expiry)

@@ -115,6 +115,7 @@ CERT_PATH = re.compile(r"/SimpleNotificationService-[A-Za-z0-9]+\.pem")
 # Trust Services only. What comes from there is still checked against the trust store.
 CA_ISSUER_URL = re.compile(r"https?://crt\.[a-z0-9]+\.amazontrust\.com/[A-Za-z0-9._-]+")
 FUTURE_SKEW_S = 300.0
+MAX_CACHED_CERTS = 64
 
 
 def sns_host(topic_arn: Any) -> str | None:
@@ -245,6 +246,8 @@ class SnsVerifier:
                 entry = _Cached(time.monotonic() + self._key_ttl_s, key, not_after)
             except (SnsRejected, SnsUnavailable) as e:
                 entry = _Cached(time.monotonic() + self._failure_ttl_s, error=e)
+            if len(self._cache) >= MAX_CACHED_CERTS:  # URLs come from senders: keep it bounded
+                del self._cache[next(iter(self._cache))]
             self._cache[url] = entry
         if entry.error is not None:
             raise entry.error

@@ -51,6 +51,7 @@ def _sane_time(value: datetime) -> datetime:
 Instant = Annotated[AwareDatetime, AfterValidator(_sane_time)]
 
 SPOT_NOTICE = timedelta(minutes=2)  # AWS: the interruption warning comes 2 min before
+INSTANCE_ID = re.compile(r"i-[0-9a-f]{8,17}")
 
 
 class Ignored(BaseModel):
@@ -227,9 +228,6 @@ def _health(event: AwsEvent) -> list[Outcome]:
     if not instances:
         return [Ignored(reason="AWS Health event names no instance")]
     return [_early_warning(i, health_event_id(event.id, i)) for i in instances]
-
-
-INSTANCE_ID = re.compile(r"i-[0-9a-f]{8,17}")
 
 
 # --- aws-node-termination-handler: POST /v1/events/kubernetes ------------------------------
