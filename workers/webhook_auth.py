@@ -15,6 +15,7 @@ import hmac
 import os
 import re
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,6 +27,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.utils import CryptographyDeprecationWarning
 from cryptography.x509 import verification
 
 TIMESTAMP_HEADER = "X-Spotrain-Timestamp"
@@ -116,6 +118,7 @@ CERT_PATH = re.compile(r"/SimpleNotificationService-[A-Za-z0-9]+\.pem")
 CA_ISSUER_URL = re.compile(r"https?://crt\.[a-z0-9]+\.amazontrust\.com/[A-Za-z0-9._-]+")
 FUTURE_SKEW_S = 300.0
 MAX_CACHED_CERTS = 64
+PEM_BLOCK = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
 
 
 def sns_host(topic_arn: Any) -> str | None:
@@ -197,7 +200,7 @@ class SnsVerifier:
         self._http_get = http_get
         self._max_age_s = max_age_s
         with open(ca_file or certifi.where(), "rb") as f:
-            self._store = verification.Store(x509.load_pem_x509_certificates(f.read()))
+            self._store = verification.Store(_roots(f.read()))
         self._clock = clock
         self._key_ttl_s = key_ttl_s
         self._failure_ttl_s = failure_ttl_s
@@ -296,6 +299,20 @@ class SnsVerifier:
             return await self._http_get(url)
         except Exception as e:  # any transport failure: the sender should retry
             raise SnsUnavailable(f"fetching {url}: {type(e).__name__} {e}"[:300]) from None
+
+
+def _roots(bundle: bytes) -> list[x509.Certificate]:
+    """Each root on its own, quietly: a bundle root that cryptography frowns on (one in
+    certifi's has a non-positive serial) must neither fail nor spam the others."""
+    roots = []
+    for pem in re.findall(PEM_BLOCK, bundle):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CryptographyDeprecationWarning)
+            try:
+                roots.append(x509.load_pem_x509_certificate(pem))
+            except ValueError:
+                continue
+    return roots
 
 
 def _certificates(data: bytes) -> list[x509.Certificate]:
