@@ -1,0 +1,92 @@
+"""The Hugging Face Trainer integration for real: examples/train_hf.py (a tiny GPT-2 from its
+config) on 2 ranks, resized to 3 by a reclaim with notice, then a node lost without notice,
+then back to 2 ranks to the end: every process a real rank of the local runtime (gloo, CPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration_support import Scenario
+
+pytest.importorskip("transformers")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_hf.py"
+TOTAL, GLOBAL = 60, 5  # 5 splits unevenly: 2 + 3 over two ranks, 1 + 2 + 2 over three
+SCALE = {  # learning rate per world size; a constant schedule so the logged rate shows it
+    2: {"lr": 1e-2, "lr_scheduler_type": "constant", "save_steps": 10},
+    3: {"lr": 5e-3, "lr_scheduler_type": "constant", "save_steps": 10},
+}
+
+
+def window(losses: dict[int, float], first: int) -> float:
+    return sum(losses[s] for s in range(first, first + 4)) / 4
+
+
+def test_trainer_resumes_through_a_reclaim_and_a_loss_without_repeating_samples(
+    tmp_path: Path,
+) -> None:
+    sc = Scenario(
+        tmp_path,
+        "hf-integration",
+        [sys.executable, str(EXAMPLE), "--record", str(tmp_path / "record")],
+        total_steps=TOTAL,
+        global_batch_size=GLOBAL,
+        scale_config=SCALE,
+    )
+    gen0 = sc.start(0, nodes=2)
+    sc.wait_for_step(gen0, 10)
+    notice = sc.stop(gen0, graceful=True)  # the elastic event: save at the step boundary, stop
+    assert notice.acked_ranks == [0, 1] and not notice.forced, sc.log(gen0)
+    k = notice.checkpoint_step
+    assert k is not None and 10 <= k < TOTAL - 20, k
+
+    gen1 = sc.start(1, nodes=3)
+    sc.wait_for_checkpoint(gen1, after=k)  # a periodic save (save_steps) in generation 1
+    loss = sc.stop(gen1, graceful=False)  # no notice: SIGKILL
+    assert loss.forced and loss.acked_ranks == []
+    c = loss.checkpoint_step
+    assert c is not None and k < c < TOTAL and c % 10 == 0, (k, c)
+
+    gen2 = sc.start(2, nodes=2)
+    assert sc.run_to_end(gen2).exit_codes == {0: 0, 1: 0}
+    assert sc.leftovers() == []
+
+    rec = {g: sc.records(g) for g in (0, 1, 2)}
+    steps = {g: [e["step"] for e in rec[g][0]] for g in rec}
+    # Steps add up: 1..k, then k+1.. at least c (the rest was lost with the node), then c+1..end.
+    assert steps[0] == list(range(1, k + 1))
+    assert steps[1][0] == k + 1 and steps[1] == list(range(k + 1, steps[1][-1] + 1))
+    assert steps[1][-1] >= c
+    assert steps[2] == list(range(c + 1, TOTAL + 1))
+    kept = {0: rec[0], 1: {r: [e for e in es if e["step"] <= c] for r, es in rec[1].items()}}
+    kept[2] = rec[2]
+
+    # Every rank took its uneven share of each global batch, at its generation's world size.
+    shares = {0: [2, 3], 1: [1, 2, 2], 2: [2, 3]}
+    for g, ranks in kept.items():
+        assert sorted(ranks) == list(range(len(shares[g])))
+        for r, entries in ranks.items():
+            assert {len(e["indices"]) for e in entries} == {shares[g][r]}, (g, r)
+            assert {e["world"] for e in entries} == {len(shares[g])}
+    # No sample trained on twice, none skipped: the run fits in one epoch of 4096 samples.
+    taken = [
+        i for ranks in kept.values() for es in ranks.values() for e in es for i in e["indices"]
+    ]
+    assert len(taken) == TOTAL * GLOBAL and len(set(taken)) == len(taken)
+
+    # scale_config's learning rate per world size, also after resuming a checkpoint saved at
+    # another size (whose optimizer and schedule carried the old rate).
+    lrs = {g: {e["lr"] for e in rec[g][0]} for g in rec}
+    assert lrs == {0: {1e-2}, 1: {5e-3}, 2: {1e-2}}
+
+    # The loss continues its curve across both resumes (a restart from scratch would be back
+    # near the first window's level).
+    losses = {e["step"]: e["loss"] for g in kept for e in kept[g][0]}
+    first = window(losses, 1)
+    for resumed_at in (k, c):
+        before, after = window(losses, resumed_at - 3), window(losses, resumed_at + 1)
+        assert after < 0.9 * first and after < 1.15 * before, (first, before, after, resumed_at)
+    assert window(losses, TOTAL - 3) < 0.8 * first
