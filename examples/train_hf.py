@@ -93,7 +93,8 @@ def main() -> int:
         trainer.add_callback(Recorder(path, data))
     print(
         f"gen {s.generation} rank {s.rank}/{s.world_size}: "
-        f"batch {training_args.per_device_train_batch_size} lr {training_args.learning_rate} from {hf_trainer.resume_checkpoint()}",
+        f"batch {training_args.per_device_train_batch_size} lr {training_args.learning_rate} "
+        f"from {hf_trainer.resume_checkpoint()}",
         flush=True,
     )
     trainer.train()
