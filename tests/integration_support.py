@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,10 @@ class Scenario:
     scale_config: dict[int, dict[str, Any]]
     job_type: str = "pytorch"
     procs_per_node: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # more worker environment
 
     def __post_init__(self) -> None:
-        self.env = ActivityEnvironment()
+        self.activities = ActivityEnvironment()
         self.rt = LocalRuntime(self.tmp_path / "rt")
         self.record = self.tmp_path / "record"
         self.checkpoint = f"file://{self.tmp_path}/store"
@@ -54,7 +55,7 @@ class Scenario:
                 for i in range(nodes)
             ],
             command=self.command,
-            env=OFFLINE,
+            env={**OFFLINE, **self.env},
             job_type=self.job_type,
             checkpoint=self.checkpoint,
             scale_config=self.scale_config.get(nodes * self.procs_per_node, {}),
@@ -64,7 +65,7 @@ class Scenario:
 
     def start(self, generation: int, nodes: int) -> GenerationPlan:
         p = self.plan(generation, nodes)
-        self.env.run(self.rt.start_generation, p)
+        self.activities.run(self.rt.start_generation, p)
         return p
 
     def watch(self, p: GenerationPlan) -> WatchResult:
@@ -75,7 +76,7 @@ class Scenario:
             checkpoint=p.checkpoint,
             report_after_s=0.5,
         )
-        return self.env.run(self.rt.watch_generation, req)
+        return self.activities.run(self.rt.watch_generation, req)
 
     def log(self, p: GenerationPlan) -> str:
         return "\n".join(
@@ -109,7 +110,7 @@ class Scenario:
             graceful=graceful,
             grace_s=120,
         )
-        return self.env.run(self.rt.stop_generation, req)
+        return self.activities.run(self.rt.stop_generation, req)
 
     def run_to_end(self, p: GenerationPlan, timeout_s: float = 300) -> WatchResult:
         deadline = time.monotonic() + timeout_s

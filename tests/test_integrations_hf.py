@@ -4,6 +4,7 @@ then back to 2 ranks to the end: every process a real rank of the local runtime 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from tests.integration_support import Scenario
 
 pytest.importorskip("transformers")
+MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_hf.py"
 TOTAL, GLOBAL = 60, 5  # 5 splits unevenly: 2 + 3 over two ranks, 1 + 2 + 2 over three
@@ -26,8 +28,9 @@ def window(losses: dict[int, float], first: int) -> float:
 
 
 def test_trainer_resumes_through_a_reclaim_and_a_loss_without_repeating_samples(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    mlruns = f"file://{tmp_path}/mlruns"  # MLflow's local file store
     sc = Scenario(
         tmp_path,
         "hf-integration",
@@ -35,6 +38,7 @@ def test_trainer_resumes_through_a_reclaim_and_a_loss_without_repeating_samples(
         total_steps=TOTAL,
         global_batch_size=GLOBAL,
         scale_config=SCALE,
+        env={"MLFLOW_TRACKING_URI": mlruns, "MLFLOW_ALLOW_FILE_STORE": "true"},
     )
     gen0 = sc.start(0, nodes=2)
     sc.wait_for_step(gen0, 10)
@@ -90,3 +94,32 @@ def test_trainer_resumes_through_a_reclaim_and_a_loss_without_repeating_samples(
         before, after = window(losses, resumed_at - 3), window(losses, resumed_at + 1)
         assert after < 0.9 * first and after < 1.15 * before, (first, before, after, resumed_at)
     assert window(losses, TOTAL - 3) < 0.8 * first
+
+    # MLflow: one run for the job, with the loop's metrics and the scaling events.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(mlruns)
+    (run,) = client.search_runs([client.get_experiment_by_name("spotrain").experiment_id])
+    assert run.data.tags["spotrain.job"] == "hf-integration"
+
+    def history(key: str) -> dict[int, float]:  # step -> value; a lost step's rerun wins
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+    assert history("loss") == pytest.approx(losses)
+    rates = history("samples_per_second")
+    assert set(rates) == set(range(1, TOTAL + 1)) and min(rates.values()) > 0
+    world = history("world_size")
+    assert [world[s] for s in (1, k, k + 1, c, c + 1, TOTAL)] == [2, 2, 3, 3, 2, 2]
+    assert history("learning_rate")[k + 1] == pytest.approx(5e-3)
+    gens = {
+        int(key.rsplit(".", 1)[1]): json.loads(value)
+        for key, value in run.data.tags.items()
+        if key.startswith("spotrain.generation.")
+    }
+    assert gens == {
+        0: {"world_size": 2, "start_step": 0, "end_step": k, "end": "elastic event"},
+        1: {"world_size": 3, "start_step": k, "end": "lost without notice", "resumed_at": c},
+        2: {"world_size": 2, "start_step": c, "end_step": TOTAL, "end": "done"},
+    }
+    scaling = client.get_metric_history(run.info.run_id, "spotrain.world_size")
+    in_order = [(m.step, m.value) for m in sorted(scaling, key=lambda m: (m.timestamp, m.step))]
+    assert in_order == [(0, 2), (k, 2), (k, 3), (c, 2), (TOTAL, 2)]  # starts and ends

@@ -10,7 +10,9 @@
 - `SpotrainCallback` (works with any Trainer): on the elastic event every rank agrees at the
   step boundary, the Trainer saves a checkpoint and stops; the checkpoint is recorded as the
   job's latest, then acked. Progress goes to the job every step (throttled), and a finished
-  run leaves the completion marker.
+  run leaves the completion marker. With a tracking location, the Trainer's logs (loss,
+  learning rate, throughput) and the generation's start and end go to the job's MLflow run
+  (`spotrain.workers.mlflow_metrics`).
 - `training_arguments`: max_steps from the job's total_steps, the per-device batch size from
   this rank's share of global_batch_size, and the scale_config of this world size applied on
   top (keys named like TrainingArguments fields, plus `lr` for learning_rate).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 from urllib.parse import urlparse
 
@@ -37,7 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from spotrain.workers import elastic
+from spotrain.workers import elastic, mlflow_metrics
 from spotrain.workers.elastic_sampler import ElasticBatchSampler
 
 ALIASES = {"lr": "learning_rate"}
@@ -71,6 +74,7 @@ def training_arguments(output_dir: str | None = None, **kwargs: Any) -> Training
         "output_dir": output_dir or default_output_dir(s),
         "max_steps": s.total_steps,
         "save_strategy": "steps",
+        "logging_steps": 10,
         "average_tokens_across_devices": True,
         "disable_tqdm": True,
         "report_to": "none",
@@ -111,10 +115,13 @@ class SpotrainCallback(TrainerCallback):
 
     def __init__(self) -> None:
         self.stopping = False
+        self.last_log: tuple[float, int] | None = None  # (time, step) of the last on_log
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):  # type: ignore[no-untyped-def]
         """A resumed optimizer and schedule carry the learning rate of the world size that saved
         them: rescale them to this one's (scale_config), keeping the groups' ratios."""
+        mlflow_metrics.generation_started(state.global_step)
+        self.last_log = (time.monotonic(), state.global_step)
         base = getattr(lr_scheduler, "base_lrs", None)
         if optimizer is None or not base or max(base) in (0, args.learning_rate):
             return
@@ -141,10 +148,30 @@ class SpotrainCallback(TrainerCallback):
         _barrier()  # nobody acks a checkpoint before it is the latest
         if self.stopping:
             elastic.ack_checkpoint(state.global_step)
+            mlflow_metrics.generation_ended(state.global_step, "elastic event")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+        """Loss, learning rate and throughput (samples/s since the last log) to MLflow."""
+        if not logs or "loss" not in logs:
+            return
+        now, rate = time.monotonic(), None
+        if self.last_log is not None and now > self.last_log[0]:
+            s = elastic.settings()
+            batch = s.global_batch_size or args.per_device_train_batch_size * s.world_size
+            rate = batch * (state.global_step - self.last_log[1]) / (now - self.last_log[0])
+        self.last_log = (now, state.global_step)
+        mlflow_metrics.log_metrics(
+            state.global_step,
+            loss=logs["loss"],
+            learning_rate=logs.get("learning_rate"),
+            grad_norm=logs.get("grad_norm"),
+            samples_per_second=rate,
+        )
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if not self.stopping:
             elastic.mark_done(state.global_step)
+            mlflow_metrics.generation_ended(state.global_step, "done")
             _barrier()  # no rank exits before the completion marker is on record
 
 
