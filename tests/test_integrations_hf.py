@@ -102,7 +102,8 @@ def test_trainer_resumes_through_a_reclaim_and_a_loss_without_repeating_samples(
     assert run.data.tags["spotrain.job"] == "hf-integration"
 
     def history(key: str) -> dict[int, float]:  # step -> value; a lost step's rerun wins
-        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+        logged = client.get_metric_history(run.info.run_id, key)
+        return {m.step: m.value for m in sorted(logged, key=lambda m: m.timestamp)}
 
     assert history("loss") == pytest.approx(losses)
     rates = history("samples_per_second")

@@ -36,7 +36,10 @@ def stream_indices(start: int, count: int, dataset_size: int, seed: int = 0) -> 
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
-    """This rank's batch for every step from `start_step` to the job's `total_steps`."""
+    """This rank's batch for every step from `start_step` to the job's `total_steps`. Its
+    length is always total_steps (the whole job is one epoch): a loop that resumes at step k
+    counts k batches as done (Lightning), or skips k of them itself (the HF Trainer, with
+    start_step 0)."""
 
     def __init__(
         self,
@@ -66,7 +69,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         return range(first + self.slice.start, first + self.slice.stop)
 
     def __len__(self) -> int:
-        return max(0, self.total_steps - self.start_step)
+        return self.total_steps
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.total_steps):
