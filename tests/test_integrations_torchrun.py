@@ -120,7 +120,11 @@ def test_plain_torchrun_script_resumes_through_a_reclaim_and_a_loss(tmp_path: Pa
 
 @pytest.mark.parametrize(
     ("spec", "script"),
-    [("job_hf.yaml", "train_hf.py"), ("job_torchrun.yaml", "train_torchrun.py")],
+    [
+        ("job_hf.yaml", "train_hf.py"),
+        ("job_lightning.yaml", "train_lightning.py"),
+        ("job_torchrun.yaml", "train_torchrun.py"),
+    ],
 )
 def test_example_job_specs_validate_and_run_their_scripts(spec: str, script: str) -> None:
     job_spec = parse_spec(yaml.safe_load((EXAMPLE.parent / spec).read_text()))
