@@ -22,7 +22,9 @@ from spotrain.workflows.contract import (
     WatchRequest,
     WatchResult,
 )
+from spotrain.workflows.planner import local_batch_size
 
+WORLDS = {0: 2, 1: 3, 2: 2}  # generation -> ranks in `reclaim_then_loss`
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -126,5 +128,59 @@ class Scenario:
             out[int(f.stem.rsplit("-", 1)[1])] = [json.loads(x) for x in f.read_text().splitlines()]
         return out
 
-    def leftovers(self) -> list[int]:
-        return job_processes(self.job)
+    def leftovers(self, within_s: float = 2.0) -> list[int]:
+        """The job's processes still alive after `within_s` (a process killed with its parent
+        by the kernel takes a moment to go)."""
+        deadline = time.monotonic() + within_s
+        while (alive := job_processes(self.job)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return alive
+
+    def reclaim_then_loss(self, first_step: int, every: int) -> tuple[int, int]:
+        """2 ranks past `first_step`, then the elastic event; 3 ranks until a periodic
+        checkpoint (every `every` steps), then SIGKILL; 2 ranks to the end. The two steps
+        resumed from: (k, the notice's checkpoint; c, the last periodic one)."""
+        gen0 = self.start(0, WORLDS[0])
+        self.wait_for_step(gen0, first_step)
+        notice = self.stop(gen0, graceful=True)  # save at the step boundary, ack, exit 0
+        assert notice.acked_ranks == [0, 1] and not notice.forced, self.log(gen0)
+        k = notice.checkpoint_step
+        assert k is not None and first_step <= k < self.total_steps - 2 * every, k
+
+        gen1 = self.start(1, WORLDS[1])
+        self.wait_for_checkpoint(gen1, after=k)
+        loss = self.stop(gen1, graceful=False)  # no notice: SIGKILL
+        assert loss.forced and loss.acked_ranks == []
+        c = loss.checkpoint_step
+        assert c is not None and k < c < self.total_steps and c % every == 0, (k, c)
+
+        gen2 = self.start(2, WORLDS[2])
+        assert self.run_to_end(gen2).exit_codes == {r: 0 for r in range(WORLDS[2])}
+        assert self.leftovers() == []
+        return k, c
+
+    def kept_records(self, k: int, c: int) -> dict[int, dict[int, list[dict[str, Any]]]]:
+        """generation -> rank -> the steps that count (a lost generation's past c do not),
+        checked: the steps add up, each rank took its uneven share of every global batch, and
+        no sample was taken twice (the run must fit in one epoch of the dataset)."""
+        rec = {g: self.records(g) for g in WORLDS}
+        steps = {g: [e["step"] for e in rec[g][0]] for g in rec}
+        assert steps[0] == list(range(1, k + 1))
+        assert steps[1] == list(range(k + 1, steps[1][-1] + 1)) and steps[1][-1] >= c
+        assert steps[2] == list(range(c + 1, self.total_steps + 1))
+        kept = {
+            g: {r: [e for e in es if g != 1 or e["step"] <= c] for r, es in rec[g].items()}
+            for g in rec
+        }
+        for g, ranks in kept.items():
+            shares = [
+                local_batch_size(self.global_batch_size, WORLDS[g], r) for r in range(WORLDS[g])
+            ]
+            assert sorted(ranks) == list(range(WORLDS[g]))
+            for r, entries in ranks.items():
+                assert {len(e["indices"]) for e in entries} == {shares[r]}, (g, r)
+                assert {e["world"] for e in entries} == {WORLDS[g]}
+        taken = [i for rs in kept.values() for es in rs.values() for e in es for i in e["indices"]]
+        assert len(taken) == self.total_steps * self.global_batch_size
+        assert len(set(taken)) == len(taken)
+        return kept

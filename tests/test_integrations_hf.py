@@ -40,46 +40,9 @@ def test_trainer_resumes_through_a_reclaim_and_a_loss_without_repeating_samples(
         scale_config=SCALE,
         env={"MLFLOW_TRACKING_URI": mlruns, "MLFLOW_ALLOW_FILE_STORE": "true"},
     )
-    gen0 = sc.start(0, nodes=2)
-    sc.wait_for_step(gen0, 10)
-    notice = sc.stop(gen0, graceful=True)  # the elastic event: save at the step boundary, stop
-    assert notice.acked_ranks == [0, 1] and not notice.forced, sc.log(gen0)
-    k = notice.checkpoint_step
-    assert k is not None and 10 <= k < TOTAL - 20, k
-
-    gen1 = sc.start(1, nodes=3)
-    sc.wait_for_checkpoint(gen1, after=k)  # a periodic save (save_steps) in generation 1
-    loss = sc.stop(gen1, graceful=False)  # no notice: SIGKILL
-    assert loss.forced and loss.acked_ranks == []
-    c = loss.checkpoint_step
-    assert c is not None and k < c < TOTAL and c % 10 == 0, (k, c)
-
-    gen2 = sc.start(2, nodes=2)
-    assert sc.run_to_end(gen2).exit_codes == {0: 0, 1: 0}
-    assert sc.leftovers() == []
-
-    rec = {g: sc.records(g) for g in (0, 1, 2)}
-    steps = {g: [e["step"] for e in rec[g][0]] for g in rec}
-    # Steps add up: 1..k, then k+1.. at least c (the rest was lost with the node), then c+1..end.
-    assert steps[0] == list(range(1, k + 1))
-    assert steps[1][0] == k + 1 and steps[1] == list(range(k + 1, steps[1][-1] + 1))
-    assert steps[1][-1] >= c
-    assert steps[2] == list(range(c + 1, TOTAL + 1))
-    kept = {0: rec[0], 1: {r: [e for e in es if e["step"] <= c] for r, es in rec[1].items()}}
-    kept[2] = rec[2]
-
-    # Every rank took its uneven share of each global batch, at its generation's world size.
-    shares = {0: [2, 3], 1: [1, 2, 2], 2: [2, 3]}
-    for g, ranks in kept.items():
-        assert sorted(ranks) == list(range(len(shares[g])))
-        for r, entries in ranks.items():
-            assert {len(e["indices"]) for e in entries} == {shares[g][r]}, (g, r)
-            assert {e["world"] for e in entries} == {len(shares[g])}
-    # No sample trained on twice, none skipped: the run fits in one epoch of 4096 samples.
-    taken = [
-        i for ranks in kept.values() for es in ranks.values() for e in es for i in e["indices"]
-    ]
-    assert len(taken) == TOTAL * GLOBAL and len(set(taken)) == len(taken)
+    k, c = sc.reclaim_then_loss(first_step=10, every=10)
+    kept = sc.kept_records(k, c)
+    rec = {g: sc.records(g) for g in kept}
 
     # scale_config's learning rate per world size, also after resuming a checkpoint saved at
     # another size (whose optimizer and schedule carried the old rate).

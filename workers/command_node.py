@@ -11,6 +11,7 @@ rendezvous (MASTER_ADDR and MASTER_PORT from the worker environment), and:
 - turns the elastic event (or a SIGTERM of its own) into SIGTERM to the script's processes:
   the script's own SIGTERM handler is its checkpoint hook; it saves and exits 0;
 - on exit 0 after that, acks for this node's ranks (the step is the script's business: 0);
+  stopped before torchrun started, it acks at once;
 - on exit 0 without one, training finished: node 0 leaves the completion marker, the other
   nodes wait for it, so no rank is seen exiting 0 for no reason;
 - any other exit is passed on: a fault.
@@ -23,6 +24,7 @@ kernel kill it when its torchrun agent dies (PR_SET_PDEATHSIG), then execs the c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
@@ -77,8 +79,14 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def ack(s: elastic.Settings, nproc: int) -> int:
+    """This node's ranks are safe to stop (the step is the script's business: 0)."""
+    for rank in range(s.rank, s.rank + nproc):
+        elastic.store().write_ack(s.generation, rank, 0, time.time())
+    return 0
+
+
 def run_node(args: argparse.Namespace) -> int:
-    s = elastic.wait_for_gang()
     notice = False
 
     def on_term(_signum: int, _frame: object) -> None:
@@ -87,23 +95,26 @@ def run_node(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    s = elastic.wait_for_gang()
+    event = notice or elastic.elastic_event_detected()
+    if event:  # stopped before it started: nothing to save
+        return ack(s, args.nproc_per_node)
     env = {k: v for k, v in os.environ.items() if k != worker_env.LOCAL_BATCH_SIZE}  # per rank
     agent = subprocess.Popen(torchrun_argv(args), env=env)
-    forwarded = False
+    signaled: set[int] = set()  # workers told; one that torchrun starts later is told too
     while agent.poll() is None:
-        if not forwarded and (notice or elastic.elastic_event_detected()):
-            forwarded = True
-            for pid in children(agent.pid):
+        event = event or notice or elastic.elastic_event_detected()
+        for pid in set(children(agent.pid)) - signaled if event else ():
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            print(f"command_node: elastic event: SIGTERM to {s.world_size} rank(s)", flush=True)
+            signaled.add(pid)
+            print(f"command_node: elastic event: SIGTERM to worker {pid}", flush=True)
         time.sleep(POLL_S)
     code = agent.returncode
     if code != 0:
         return code if code > 0 else 128 - code
-    if forwarded:
-        for rank in range(s.rank, s.rank + args.nproc_per_node):
-            elastic.store().write_ack(s.generation, rank, 0, time.time())
-        return 0
+    if event:
+        return ack(s, args.nproc_per_node)
     if args.node_rank == 0:
         elastic.mark_done(s.total_steps)
         return 0
@@ -122,7 +133,7 @@ def exec_worker(command: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         print("command_node: PR_SET_PDEATHSIG failed", file=sys.stderr)
-    if os.getppid() != parent:  # the agent died before the line above took effect
+    if parent == 1 or os.getppid() != parent:  # the agent died before prctl took effect
         return 1
     try:
         os.execvp(command[0], command)
