@@ -37,6 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from spotrain.activities.command_launch import launch_command
 from spotrain.activities.notice import elastic_event_raised
 from spotrain.activities.store import JobStore
 from spotrain.activities.worker_env import rank_env
@@ -394,7 +395,7 @@ class KubeRuntime:
         container: dict[str, Any] = {
             "name": "worker",
             "image": plan.image,
-            "command": plan.command,
+            "command": launch_command(plan, index, "python"),
             "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
             "ports": [{"name": "rendezvous", "containerPort": self.master_port}],
             "volumeMounts": mounts,

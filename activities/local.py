@@ -34,6 +34,7 @@ from typing import Any, Literal
 from temporalio import activity
 
 from spotrain.activities import worker_env
+from spotrain.activities.command_launch import launch_command
 from spotrain.activities.notice import elastic_event_raised
 from spotrain.activities.store import JobStore
 from spotrain.workflows import contract
@@ -213,7 +214,8 @@ class LocalRuntime:
                     plan, node_index, local_rank, master_port=port, control_file=control
                 )
                 env["MASTER_ADDR"] = "127.0.0.1"  # every "node" of this runtime is this machine
-                self._launch(r, plan.command, env, member.node_id)
+                command = launch_command(plan, node_index, sys.executable, local_rank)
+                self._launch(r, command, env, member.node_id)
 
     def _launch(self, r: Rank, command: list[str], env: dict[str, str], node_id: str) -> None:
         """Start the rank's launcher and record it. A controller crash between the two lines

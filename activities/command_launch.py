@@ -1,0 +1,42 @@
+"""What a runtime starts for a node of a generation: the job's command, or for `type: command`
+jobs (plain torchrun scripts, no spotrain import) torchrun with the generation's settings.
+
+One pure function for both runtimes. Kubernetes runs one pod per node, so torchrun starts the
+node's `procs` workers; the local runtime tracks every rank as a process of its own, so each
+rank is a one-worker torchrun "node" (all of them on this machine; LOCAL_RANK is then 0).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # keeps pydantic out of every training process's start-up
+    from spotrain.workflows.contract import GenerationPlan
+
+COMMAND_NODE = "spotrain.workers.command_node"
+
+
+def launch_command(
+    plan: GenerationPlan, node_index: int, python: str, local_rank: int | None = None
+) -> list[str]:
+    """argv for the node at `node_index` (rank order), or with `local_rank` for that one rank
+    alone. `python` is the interpreter that has spotrain and torch (the image's, locally ours).
+    MASTER_ADDR and MASTER_PORT come from the worker environment."""
+    if plan.job_type != "command":
+        return list(plan.command)
+    if local_rank is None:
+        nnodes, node_rank, nproc = len(plan.members), node_index, plan.members[node_index].procs
+    else:
+        first = sum(m.procs for m in plan.members[:node_index])
+        nnodes, node_rank, nproc = plan.world_size, first + local_rank, 1
+    return [
+        python,
+        "-m",
+        COMMAND_NODE,
+        "node",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc}",
+        "--",
+        *plan.command,
+    ]
