@@ -41,12 +41,13 @@ def binary() -> Path | None:
 
 
 @contextmanager
-def serve(*args: str) -> Iterator[str]:
-    """Run the mock (`spot -d 3`, ...), IMDSv2 only, on a free loopback port; its URL."""
+def serve(*args: str, port: int | None = None) -> Iterator[str]:
+    """Run the mock (`spot -d 3`, ...), IMDSv2 only, on `port` (default: a free loopback
+    port); its URL."""
     path = binary()
     if path is None:
         raise RuntimeError("ec2-metadata-mock is not built and Go is not installed")
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [str(path), *args, "-I", "-p", str(port)],
         stdout=subprocess.DEVNULL,

@@ -5,6 +5,8 @@ cannot be reached, SIGTERM, and EC2 instance metadata from AWS's own mock (tests
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -12,18 +14,27 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
 
 from spotrain.activities import worker_env
+from spotrain.activities.local import LocalRuntime
 from spotrain.activities.notice import raise_elastic_event
+from spotrain.activities.simulated import SimulatedCloud
 from spotrain.activities.store import JobStore
 from spotrain.workers.stack import free_port
-from spotrain.workflows.contract import GenerationPlan, Member, StopRequest
+from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
+from spotrain.workflows.state import JobStatus
+from spotrain.workflows.training_job import TrainingJob
 from tests import imds_mock
 
 # Steps every 10 ms until the elastic event, counting steps in OUT.steps; then acks (unless
@@ -232,3 +243,112 @@ def test_imds_interruption_raises_the_event_and_reports_the_notice(
     assert interruption["node_id"] == "i-b" and interruption["deadline"]
     assert interruption["event_id"] == event["event_id"]
     assert interruption["event_id"] == f"imds-i-b-terminate-{interruption['deadline']}"
+
+
+# A training loop for the workflow test: the node named by a file in IMDS_DIR hears its EC2
+# metadata (the runtime gives one environment to every node; real nodes have their own IMDS).
+JOB_RANK = textwrap.dedent(
+    """
+    import os, sys, time
+    imds = os.path.join(os.environ["IMDS_DIR"], os.environ["SPOTRAIN_NODE_ID"])
+    if os.path.exists(imds):
+        os.environ["SPOTRAIN_IMDS_ENDPOINT"] = open(imds).read()
+        os.environ["SPOTRAIN_IMDS_POLL_S"] = "0.2"
+    from spotrain.workers import elastic
+
+    elastic.wait_for_gang()
+    latest = elastic.latest_checkpoint()
+    step = latest["step"] if latest else 0
+    while True:
+        time.sleep(0.02)
+        step += 1
+        elastic.report_progress(step)
+        if elastic.elastic_event_detected():
+            elastic.mark_checkpoint(step, f"ckpt-{step}")
+            elastic.ack_checkpoint(step)
+            sys.exit(0)
+    """
+)
+
+
+async def test_an_imds_notice_reaches_the_workflow_without_a_webhook(
+    dev_env: WorkflowEnvironment, tmp_path: Path, aemm: Path
+) -> None:
+    """The real TrainingJob, local runtime, simulated cloud; no webhook and no signal. Node
+    sim-00002's metadata posts a spot interruption: its rank stops itself and reports it, the
+    runtime's watch hands it over, and the workflow resizes once (one reclaim, one effect,
+    though the rank reports it on every poll and the watch may see it more than once)."""
+    script, imds_dir = tmp_path / "train.py", tmp_path / "imds"
+    script.write_text(JOB_RANK)
+    imds_dir.mkdir()
+    port = free_port()
+    (imds_dir / "sim-00002").write_text(f"http://127.0.0.1:{port}")
+    runtime = LocalRuntime(tmp_path / "rt", term_grace_s=2)
+    queue = name = f"imds-{uuid.uuid4().hex[:8]}"
+    spec = {
+        "name": name,
+        "type": "command",
+        "command": [sys.executable, str(script)],
+        "env": {"IMDS_DIR": str(imds_dir)},
+        "total_steps": 10**9,
+        "checkpoint": f"file://{tmp_path / 'ckpt'}",
+        "elastic": {
+            "min_nodes": 1,
+            "max_nodes": 2,
+            "graceful_shutdown_timeout_s": 20,
+            "scaling_timeout_s": 60,
+            "capacity_check_interval_s": 1,
+            "progress_report_interval_s": 0.5,
+            "stall_timeout_s": 60,
+            "reclaim_policy": "drop",
+        },
+        "spot": {
+            "instance_types": [
+                {"name": "m5.large", "gpus": 0, "on_demand_price": 0.096, "spot_price": 0.035}
+            ],
+            "zones": ["us-east-1a"],
+        },
+        "on_demand": {"fallback": False},
+    }
+    with ThreadPoolExecutor(8) as pool:
+        async with Worker(
+            dev_env.client,
+            task_queue=queue,
+            workflows=[TrainingJob],
+            activities=SimulatedCloud(zones=["us-east-1a"]).activities() + runtime.activities(),
+            activity_executor=pool,
+        ):
+            handle = await dev_env.client.start_workflow(
+                "TrainingJob", spec, id=name, task_queue=queue
+            )
+            try:
+                status = await wait_status(handle, lambda s: s.generation == 1 and s.step > 5)
+                ranks = {n.node_id: n.rank for n in status.nodes}
+                assert ranks.keys() == {"sim-00001", "sim-00002"}
+                with imds_mock.serve("spot", port=port):  # the notice, now
+                    status = await wait_status(handle, lambda s: s.generation == 2 and s.step > 0)
+                    await asyncio.sleep(2)  # the notice stays up: no second effect
+                    status = await handle.query("status", result_type=JobStatus)
+                log = runtime.log_path(name, rank=ranks["sim-00002"] or 0, generation=1)
+                assert "elastic event from EC2 instance metadata" in log.read_text()
+            finally:
+                await handle.cancel()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(handle.result(), 60)
+                runtime.cleanup_job(CleanupRequest(job=name))
+    assert (status.generation, status.world_size, status.reclaims) == (2, 1, 1), status
+    gone = {n.node_id: n.reason for n in status.nodes if n.state == "gone"}
+    assert gone == {"sim-00002": "reclaimed"}
+    assert any("reclaim notice for sim-00002" in e.detail for e in status.timeline)
+
+
+async def wait_status(
+    handle: WorkflowHandle[Any, Any], ok: Callable[[JobStatus], bool], timeout_s: float = 60
+) -> JobStatus:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await handle.query("status", result_type=JobStatus)
+        if ok(status):
+            return status
+        assert time.monotonic() < deadline, status
+        await asyncio.sleep(0.1)
