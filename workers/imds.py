@@ -1,8 +1,9 @@
 """EC2 instance metadata as a notice path of its own, independent of the webhook.
 
 With `SPOTRAIN_IMDS_ENDPOINT` set (on EC2: `http://169.254.169.254`; unset, nothing polls),
-each rank's library polls IMDSv2 every `SPOTRAIN_IMDS_POLL_S` (1 s; AWS advises every 5 s at
-most): a session token (`PUT /latest/api/token`, renewed before its 6 h TTL or on a 401), then
+each rank's library polls IMDSv2 every `SPOTRAIN_IMDS_POLL_S` (0.5 s; AWS suggests every 5 s,
+termination handlers poll every 2 s; IMDS is on the instance and free): a session token
+(`PUT /latest/api/token`, renewed before its 6 h TTL or on a 401), then
 `GET /latest/meta-data/spot/instance-action` and `/latest/meta-data/events/recommendations/
 rebalance` (404 while there is none). A 1 s timeout keeps a missing endpoint cheap.
 
@@ -33,7 +34,7 @@ from spotrain.workers.control import STOP, log
 
 ENDPOINT_ENV = "SPOTRAIN_IMDS_ENDPOINT"
 POLL_ENV = "SPOTRAIN_IMDS_POLL_S"
-POLL_S = 1.0
+POLL_S = 0.5
 TIMEOUT_S = 1.0
 TOKEN_TTL_S = 21600
 INTERRUPTION = "spot/instance-action"
