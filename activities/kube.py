@@ -39,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from spotrain.activities.notice import raise_elastic_event, rank_notices
+from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.activities.store import JobStore
 from spotrain.activities.worker_env import rank_env
 from spotrain.workflows import contract
@@ -228,6 +228,7 @@ class KubeRuntime:
         if plan.job_type == "horovod":
             self._put_hosts(ns, plan)
         names = set()
+        reset_control(plan.checkpoint, plan.generation)  # issue 16: no stale 'stop' obeyed
         for index, member in enumerate(plan.members):
             body = self._pod(plan, index, hosts[member.node_id])
             self._create(self.core.create_namespaced_pod, ns, body)
@@ -323,13 +324,10 @@ class KubeRuntime:
             exited = {rank: code for rank, code in codes.items() if code is not None}
             if any((p.metadata.annotations or {}).get(CONTROL) for p in pods.values()):
                 return None  # being stopped: stop_generation owns the outcome
-            # issue 16: notices ranks found (EC2 metadata) go to the workflow; such a rank
-            # stops itself, so its exit 0 is no fault.
+            # issue 16: notices ranks found (EC2 metadata) go to the workflow at once
             notices = rank_notices(store, req.generation)
             if any(n.event_id not in req.known_events for n in notices):
                 return WatchResult(outcome="progress", notices=notices, **_steps(store, req))
-            if notices:
-                return None
             if not pods:
                 return WatchResult(outcome="failed", detail="no pods left in the generation")
             if any(exited.values()):

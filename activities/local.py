@@ -35,7 +35,7 @@ from typing import Any, Literal
 from temporalio import activity
 
 from spotrain.activities import worker_env
-from spotrain.activities.notice import raise_elastic_event, rank_notices
+from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.activities.store import JobStore
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -203,6 +203,7 @@ class LocalRuntime:
         gdir.mkdir(parents=True, exist_ok=True)
         port = self._master_port(gdir)
         control = str(self.control_file(plan.job, plan.generation))
+        reset_control(plan.checkpoint, plan.generation)
         JobStore(plan.checkpoint).mark_started(plan.generation, time.time())  # one machine: all up
         rank = 0
         for node_index, member in enumerate(plan.members):

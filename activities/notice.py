@@ -24,6 +24,13 @@ from spotrain.workflows.contract import ReclaimNotice, StopRequest
 NOTICE_TO_WORKERS = "spotrain_notice_to_workers_seconds"
 
 
+def reset_control(checkpoint: str, generation: int) -> None:
+    """Before a generation's ranks start: a 'run' record over whatever an earlier job of the
+    same name and checkpoint location left for this generation number, so no rank obeys a
+    stale 'stop'."""
+    JobStore(checkpoint).write_control(generation, {"kind": "run", "time": time.time()})
+
+
 def raise_elastic_event(req: StopRequest) -> None:
     """Write the control record 'checkpoint and stop' for the generation (idempotent: a retry
     rewrites the same event id)."""

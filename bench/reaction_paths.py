@@ -23,8 +23,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -178,16 +179,22 @@ def imds_sample(root: Path, script: Path, times: Path, tag: str) -> float:
     rank's elastic event."""
     with imds_mock.serve("spot", "-d", "2") as url:
         env = _rank_env(root, tag, BENCH_TIMES=str(times), SPOTRAIN_IMDS_ENDPOINT=url)
-        env["BENCH_TAG"] = tag
-        proc = subprocess.Popen([sys.executable, str(script)], env=env)
-        try:
+        with _rank(script, {**env, "BENCH_TAG": tag}) as proc:
             visible = _notice_visible(url)
             proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     return read_times(times, tag)[0]["event_seen"] - visible
+
+
+@contextmanager
+def _rank(script: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """The benchmark's script as a lone rank; killed if still running at the end."""
+    proc = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _notice_visible(url: str) -> float:
@@ -214,17 +221,11 @@ def _notice_visible(url: str) -> float:
 
 def sigterm_sample(root: Path, script: Path, times: Path, tag: str) -> float:
     """One rank sent SIGTERM while training; from the signal to its checkpoint ack."""
-    env = _rank_env(root, tag, BENCH_TIMES=str(times), BENCH_TAG=tag)
-    proc = subprocess.Popen([sys.executable, str(script)], env=env)
-    try:
+    with _rank(script, _rank_env(root, tag, BENCH_TIMES=str(times), BENCH_TAG=tag)) as proc:
         wait_first_steps(times, tag, 1)
         sent = time.time()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     return read_times(times, tag)[0]["acked"] - sent
 
 

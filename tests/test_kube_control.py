@@ -32,16 +32,24 @@ NODES = {"ip-10-0-0-1": "i-0aaa", "ip-10-0-0-2": "i-0bbb"}
 
 
 @pytest.fixture
-def kube(tmp_path: Path) -> Iterator[tuple[KubeDouble, KubeletStandIn]]:
+def kube(tmp_path: Path) -> Iterator[KubeDouble]:
     double = KubeDouble()
     with double.serve():
         for name, iid in NODES.items():
             double.add_node(name, iid)
         kubelet = KubeletStandIn(double, tmp_path)
         try:
-            yield double, kubelet
+            yield double
         finally:
             kubelet.close()
+
+
+@pytest.fixture
+def runtime(kube: KubeDouble) -> Iterator[KubeRuntime]:
+    """The runtime on the double; job `ctl` cleaned up afterwards."""
+    rt = KubeRuntime(NS, kube.api_client(), gang_timeout_s=30, watch_s=1, ack_poll_s=0.05)
+    yield rt
+    ActivityEnvironment().run(rt.cleanup_job, CleanupRequest(job="ctl"))
 
 
 def plan(tmp_path: Path) -> GenerationPlan:
@@ -62,13 +70,11 @@ def plan(tmp_path: Path) -> GenerationPlan:
 
 
 def test_ranks_in_pods_hear_the_control_record_and_pods_get_the_graceful_timeout(
-    tmp_path: Path, kube: tuple[KubeDouble, KubeletStandIn]
+    tmp_path: Path, kube: KubeDouble, runtime: KubeRuntime
 ) -> None:
-    double, _ = kube
-    runtime = KubeRuntime(NS, double.api_client(), gang_timeout_s=30, ack_poll_s=0.05)
     env, p = ActivityEnvironment(), plan(tmp_path)
     env.run(runtime.start_generation, p)
-    pods = double.list("pods", NS)
+    pods = kube.list("pods", NS)
     assert [pod["spec"]["terminationGracePeriodSeconds"] for pod in pods] == [46, 46]
     wait_first_steps(tmp_path / "times", "k1", 2)
     req = StopRequest(
@@ -84,14 +90,9 @@ def test_ranks_in_pods_hear_the_control_record_and_pods_get_the_graceful_timeout
         assert "elastic event from control record" in log, log
     record = JobStore(p.checkpoint).store.get_json(JobStore.control_key(1))
     assert record["kind"] == "stop" and record["event_id"] == "stop-ctl-1"
-    env.run(runtime.cleanup_job, CleanupRequest(job="ctl"))
 
 
-def test_watch_hands_over_notices_ranks_found(
-    tmp_path: Path, kube: tuple[KubeDouble, KubeletStandIn]
-) -> None:
-    double, _ = kube
-    runtime = KubeRuntime(NS, double.api_client(), gang_timeout_s=30, watch_s=1)
+def test_watch_hands_over_notices_ranks_found(tmp_path: Path, runtime: KubeRuntime) -> None:
     env, p = ActivityEnvironment(), plan(tmp_path)
     env.run(runtime.start_generation, p)
     notice = {"kind": "interruption", "node_id": "i-0bbb", "deadline": None, "event_id": "imds-x"}
@@ -105,4 +106,3 @@ def test_watch_hands_over_notices_ranks_found(
     assert [json.loads(n.model_dump_json()) for n in found.notices] == [notice]
     known = watch.model_copy(update={"known_events": ["imds-x"], "report_after_s": 1})
     assert env.run(runtime.watch_generation, known).notices == []
-    env.run(runtime.cleanup_job, CleanupRequest(job="ctl"))

@@ -315,3 +315,18 @@ def test_a_notice_a_rank_found_goes_to_the_workflow_and_its_stop_is_no_fault(
     after = env.run(rt.watch_generation, known)
     assert after.outcome == "progress" and after.notices == [], after
     assert JobStore(p.checkpoint).acked_ranks(0) == [2]  # SIGTERM: checkpointed, then exit 0
+
+
+def test_a_stale_stop_left_by_an_earlier_job_is_not_obeyed(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    """A job submitted again under the same name and checkpoint location starts at
+    generation 0 again, where the earlier run left a 'stop' control record."""
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "train")
+    JobStore(p.checkpoint).write_control(0, {"kind": "stop", "event_id": "old", "time": 0})
+    env.run(rt.start_generation, p)
+    wait_for(env, rt, p, 40)  # over a second of steps: several polls of the control record
+    assert all(r.alive() for r in rt._ranks("job", 0))
+    assert JobStore(p.checkpoint).acked_ranks(0) == []
+    env.run(rt.cleanup_job, CleanupRequest(job="job"))
