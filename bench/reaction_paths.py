@@ -14,6 +14,7 @@ runtime, EC2 instance metadata, and SIGTERM, each with real rank processes using
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,7 +37,7 @@ from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.store import JobStore
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
 from tests import imds_mock
-from tests.kube_double import KubeDouble
+from tests.kube_double import ApiError, KubeDouble
 
 NS = "bench"
 
@@ -62,7 +63,8 @@ class KubeletStandIn:
                 if name not in pods:  # deleted: SIGTERM, SIGKILL after its grace period
                     self._terminate(name, proc)
                 elif proc.poll() is not None and pod_running(pods[name]):
-                    self.kube.finish_pod(NS, name, proc.returncode)
+                    with contextlib.suppress(ApiError):  # deleted since the listing
+                        self.kube.finish_pod(NS, name, proc.returncode)
             time.sleep(0.005)
 
     def _start(self, name: str, pod: dict[str, Any]) -> None:

@@ -306,6 +306,10 @@ def test_a_notice_a_rank_found_goes_to_the_workflow_and_its_stop_is_no_fault(
     assert time.monotonic() - started < 10  # not the 30 s report interval
     assert [n.model_dump(mode="json") for n in found.notices] == [notice]
 
+    deadline = time.monotonic() + 30
+    while "rank=2" not in rt.log_path("job", 2, 0).read_text():  # past the library's start
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     assert Rank(2, rt.gen_dir("job", 0)).signal(signal.SIGTERM, group=False)
     known = watch_req(p).model_copy(update={"known_events": ["imds-1"]})
     deadline = time.monotonic() + 30
