@@ -189,8 +189,11 @@ def imds_sample(root: Path, script: Path, times: Path, tag: str) -> float:
 
 @contextmanager
 def _rank(script: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """The benchmark's script as a lone rank; killed if still running at the end."""
-    proc = subprocess.Popen([sys.executable, str(script)], env=env)
+    """The benchmark's script as a lone rank (its log lines, one per event, are left out of
+    the report); killed if still running at the end."""
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         yield proc
     finally:

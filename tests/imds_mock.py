@@ -30,13 +30,15 @@ def binary() -> Path | None:
     path = CACHE / "ec2-metadata-mock"
     if not path.exists() and shutil.which("go"):
         CACHE.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
+        built = subprocess.run(
             ["go", "install", MODULE],
             env={**os.environ, "GOBIN": str(CACHE)},
-            check=True,
             capture_output=True,
+            text=True,
             timeout=600,
         )
+        if built.returncode:
+            raise RuntimeError(f"go install {MODULE} failed:\n{built.stderr}")
     return path if path.exists() else None
 
 
