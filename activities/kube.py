@@ -14,10 +14,12 @@ Gang start: every container may run at once, but the training library's `wait_fo
 its ranks until all pods are Running and Ready and this runtime has marked the generation
 started in the checkpoint store; a gang not ready in time is deleted, and never marked.
 
-The elastic event is the pod annotation `spotrain.io/control` (empty: run, `stop`: checkpoint
-and exit), which the kubelet projects into /etc/spotrain/control through a downwardAPI volume.
-The kubelet refreshes that file on its sync period (about a minute by default), so graceful
-shutdown timeouts should allow for it. Acks and progress come from the checkpoint store.
+The elastic event is the control record in the checkpoint store, which the training library
+polls every 0.25 s (workers/control.py); the pod annotation `spotrain.io/control` (empty: run,
+`stop`: checkpoint and exit), projected into /etc/spotrain/control through a downwardAPI volume
+that the kubelet refreshes on its sync period (about a minute), is the fallback. A pod's
+terminationGracePeriodSeconds is the job's graceful timeout: SIGTERM is an elastic event too.
+Acks and progress come from the checkpoint store.
 
 Every object carries the labels spotrain.io/managed=true, spotrain.io/job and (pods)
 spotrain.io/generation and spotrain.io/rank; cleanup selects by them. Waits use a list and then a
@@ -38,7 +40,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from spotrain.activities.command_launch import launch_command
-from spotrain.activities.notice import elastic_event_raised
+from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.activities.store import JobStore
 from spotrain.activities.worker_env import rank_env
 from spotrain.workflows import contract
@@ -227,6 +229,7 @@ class KubeRuntime:
         if plan.job_type == "horovod":
             self._put_hosts(ns, plan)
         names = set()
+        reset_control(plan.checkpoint, plan.generation)  # issue 16: no stale 'stop' obeyed
         for index, member in enumerate(plan.members):
             body = self._pod(plan, index, hosts[member.node_id])
             self._create(self.core.create_namespaced_pod, ns, body)
@@ -276,14 +279,14 @@ class KubeRuntime:
         rest = [p for p in pods if p.metadata.name not in lost]
         expected = {r for p in rest if p.status.phase not in _ENDED for r in _ranks(p)}
         if req.graceful and expected:
-            for pod in rest:
+            raise_elastic_event(req)  # issue 16: the control record the ranks poll (< 1 s)
+            for pod in rest:  # the downwardAPI fallback
                 self.core.patch_namespaced_pod(
                     pod.metadata.name,
                     ns,
                     {"metadata": {"annotations": {CONTROL: STOP}}},
                     _content_type=MERGE_PATCH,
                 )
-            elastic_event_raised(req)
             ack_deadline = time.monotonic() + req.grace_s
             while not expected <= set(store.acked_ranks(req.generation)):
                 if time.monotonic() >= ack_deadline:
@@ -322,6 +325,10 @@ class KubeRuntime:
             exited = {rank: code for rank, code in codes.items() if code is not None}
             if any((p.metadata.annotations or {}).get(CONTROL) for p in pods.values()):
                 return None  # being stopped: stop_generation owns the outcome
+            # issue 16: notices ranks found (EC2 metadata) go to the workflow at once
+            notices = rank_notices(store, req.generation)
+            if any(n.event_id not in req.known_events for n in notices):
+                return WatchResult(outcome="progress", notices=notices, **_steps(store, req))
             if not pods:
                 return WatchResult(outcome="failed", detail="no pods left in the generation")
             if any(exited.values()):
@@ -427,6 +434,12 @@ class KubeRuntime:
                 "nodeSelector": {"kubernetes.io/hostname": hostname},
                 "tolerations": [dict(t) for t in self.tolerations],
                 "automountServiceAccountToken": False,
+                # issue 16: SIGTERM is an elastic event; the kubelet waits this long for it
+                **(
+                    {"terminationGracePeriodSeconds": math.ceil(plan.graceful_shutdown_s)}
+                    if plan.graceful_shutdown_s is not None
+                    else {}
+                ),
                 "containers": [container],
                 "volumes": volumes,
             },

@@ -7,7 +7,8 @@ the same root) finds everything again:
     jobs/<job>/gen-<g>/rank-<r>.exit    {"code", "time"}             written by rank_launcher
     jobs/<job>/gen-<g>/rank-<r>.log     the rank's stdout and stderr
     jobs/<job>/gen-<g>/master_port      chosen once per generation
-    jobs/<job>/gen-<g>/control          non-empty: the elastic event
+    jobs/<job>/gen-<g>/control          non-empty: the elastic event (the fallback of the
+                                        control record in the checkpoint store)
 
 Each rank runs under `workers/rank_launcher.py` in a session of its own (the process group
 id is the launcher's pid): it outlives the controller and its exit code is recorded anyway.
@@ -35,12 +36,13 @@ from temporalio import activity
 
 from spotrain.activities import worker_env
 from spotrain.activities.command_launch import launch_command
-from spotrain.activities.notice import elastic_event_raised
+from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.activities.store import JobStore
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
     GenerationPlan,
+    ReclaimNotice,
     StopRequest,
     StopResult,
     WatchRequest,
@@ -202,6 +204,7 @@ class LocalRuntime:
         gdir.mkdir(parents=True, exist_ok=True)
         port = self._master_port(gdir)
         control = str(self.control_file(plan.job, plan.generation))
+        reset_control(plan.checkpoint, plan.generation)
         JobStore(plan.checkpoint).mark_started(plan.generation, time.time())  # one machine: all up
         rank = 0
         for node_index, member in enumerate(plan.members):
@@ -244,8 +247,8 @@ class LocalRuntime:
         lost = [r for r in ranks if (r.record() or {}).get("node_id") in req.lost_node_ids]
         forced = self._kill(lost)
         if req.graceful and ranks:
-            _write_atomic(self.control_file(req.job, req.generation), ELASTIC_EVENT)
-            elastic_event_raised(req)
+            raise_elastic_event(req)  # the control record every rank polls
+            _write_atomic(self.control_file(req.job, req.generation), ELASTIC_EVENT)  # fallback
             # Ranks ack once checkpointed, then exit 0: waiting for the exits covers both.
             self._wait(lambda: not any(r.alive() for r in ranks), req.grace_s)
         survivors = [r for r in ranks if r.alive()]
@@ -274,7 +277,8 @@ class LocalRuntime:
             alive = {r.rank: r.alive() for r in ranks}  # before exit codes: no false "vanished"
             codes = {r.rank: c for r in ranks if (c := r.exit_code()) is not None}
             done = store.done() is not None
-            event = control.exists()
+            notices = rank_notices(store, req.generation)
+            event = control.exists() or bool(notices)  # a rank that heard EC2 stops itself
             for r in ranks:
                 code = codes.get(r.rank)
                 why = None
@@ -289,6 +293,8 @@ class LocalRuntime:
                     return WatchResult(
                         outcome="failed", exit_codes=codes, detail=f"rank {r.rank} {why}"
                     )
+            if any(n.event_id not in req.known_events for n in notices):
+                return self._result("progress", store, req.generation, codes, notices)
             # A launcher lives a moment past writing its exit code: "completed" means gone.
             if done and len(codes) == len(ranks) and not any(alive.values()):
                 return self._result("completed", store, req.generation, codes)
@@ -348,6 +354,7 @@ class LocalRuntime:
         store: JobStore,
         generation: int,
         codes: dict[int, int],
+        notices: list[ReclaimNotice] | None = None,
     ) -> WatchResult:
         progress = store.progress(generation)
         latest = store.latest_checkpoint()
@@ -356,6 +363,7 @@ class LocalRuntime:
             step=progress["step"] if progress else None,
             checkpoint_step=latest["step"] if latest else None,
             exit_codes=codes,
+            notices=notices or [],
         )
 
     @staticmethod

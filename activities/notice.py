@@ -1,24 +1,62 @@
-"""How fast a reclaim notice reaches the workers, recorded by every runtime as it raises the
-elastic event: from the workflow acting on the notice to the control file (or pod annotation)
-being written. With the webhook's own request-to-signal histogram, that is the whole path from
-the cloud's notice to the workers."""
+"""The elastic event as every runtime raises it, and the notices ranks find for themselves.
+
+`raise_elastic_event` writes the generation's control record to the checkpoint store, which
+every rank's library polls (workers/control.py): the same sub-second path on every runtime,
+before the runtime's own fallback (a local control file, a pod annotation). It also records how
+fast a reclaim notice got there: from the workflow acting on the notice to the record written.
+With the webhook's request-to-signal histogram, that is the whole path from the cloud's notice
+to the workers' channel.
+
+`rank_notices` reads the reclaim notices ranks reported from EC2 instance metadata, for the
+runtimes' watch to hand to the workflow (which dedupes them by event id).
+"""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 
 from temporalio import activity
 
-from spotrain.workflows.contract import StopRequest
+from spotrain.activities.store import JobStore
+from spotrain.workflows.contract import ReclaimNotice, StopRequest
 
 NOTICE_TO_WORKERS = "spotrain_notice_to_workers_seconds"
 
 
-def elastic_event_raised(req: StopRequest) -> None:
-    """Call right after the generation's workers were told to checkpoint and exit."""
-    if req.notice_at is None:
+def reset_control(checkpoint: str, generation: int) -> None:
+    """Before a generation's ranks start: a 'run' record over whatever an earlier job of the
+    same name and checkpoint location left for this generation number, so no rank obeys a
+    stale 'stop'."""
+    JobStore(checkpoint).write_control(generation, {"kind": "run", "time": time.time()})
+
+
+def raise_elastic_event(req: StopRequest) -> None:
+    """Write the control record 'checkpoint and stop' for the generation (idempotent: a retry
+    rewrites the same event id)."""
+    JobStore(req.checkpoint).write_control(
+        req.generation,
+        {
+            "kind": "stop",
+            "event_id": f"stop-{req.job}-{req.generation}",
+            "time": time.time(),
+            "notice_at": req.notice_at.isoformat() if req.notice_at else None,
+        },
+    )
+    if req.notice_at is None or not activity.in_activity():
         return
     seconds = max(0.0, (datetime.now(UTC) - req.notice_at).total_seconds())
     activity.metric_meter().create_histogram_float(
         NOTICE_TO_WORKERS, "reclaim notice acted on -> workers' elastic event raised", "s"
     ).record(seconds)
+
+
+def rank_notices(store: JobStore, generation: int) -> list[ReclaimNotice]:
+    """Reclaim notices the generation's ranks found themselves (malformed ones skipped)."""
+    notices = []
+    for raw in store.notices(generation):
+        try:
+            notices.append(ReclaimNotice.model_validate(raw))
+        except ValueError:
+            continue
+    return notices

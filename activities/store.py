@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Protocol
@@ -149,3 +150,23 @@ class JobStore:
 
     def done(self) -> dict[str, Any] | None:
         return self.store.get_json("done.json")
+
+    # --- control channel (workers/control.py): orchestrator -> ranks, ranks -> orchestrator --
+    #   gen-00003/control.json               {"kind": "stop", "event_id", "time", ...}
+    #   gen-00003/notice/<event id>.json     a reclaim notice a rank found (EC2 metadata)
+
+    @classmethod
+    def control_key(cls, generation: int) -> str:
+        return f"{cls._gen(generation)}/control.json"
+
+    def write_control(self, generation: int, record: dict[str, Any]) -> None:
+        self.store.put_json(self.control_key(generation), record)
+
+    def report_notice(self, generation: int, notice: dict[str, Any]) -> None:
+        """One object per event id: every rank of the node writes the same one (idempotent)."""
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", notice["event_id"])
+        self.store.put_json(f"{self._gen(generation)}/notice/{name}.json", notice)
+
+    def notices(self, generation: int) -> list[dict[str, Any]]:
+        keys = self.store.list_keys(f"{self._gen(generation)}/notice/")
+        return [n for k in keys if (n := self.store.get_json(k)) is not None]

@@ -1,18 +1,25 @@
-"""Reaction and resize overhead on the embedded stack, with real processes.
+"""Reaction and resize overhead with real processes, on every notice path, in one run.
 
-    .venv/bin/python -m bench.reaction [--reclaims 200] [--nodes 2]
+    .venv/bin/python -m bench.reaction [--reclaims 200] [--nodes 2] [--imds-samples 20]
+        [--sigterm-samples 50]
 
-The real TrainingJob workflow on the Temporal dev server, the reclaim webhook
-(WebhookService, in this process, on loopback), and a worker with the local runtime
-starting real training processes (a cheap loop using `spotrain.workers.elastic`); nodes come
-from the simulated cloud (always capacity). Each reclaim is a POST to /v1/reclaims.
+Local runtime, whole path: the real TrainingJob workflow on the Temporal dev server, the
+reclaim webhook (WebhookService, in this process, on loopback), and a worker with the local
+runtime starting real training processes (a cheap loop using `spotrain.workers.elastic`);
+nodes come from the simulated cloud (always capacity). Each reclaim is a POST to
+/v1/reclaims.
 
-- notice-to-workers: from sending the POST to the generation's control file changing (the
-  elastic event every rank of the generation reads; locally one file per generation),
-  watched by stat polling every 1 ms.
-- resize overhead: from that elastic event to the next generation running (every rank at
-  its first step), minus what the script itself spent (checkpointing after the event, and
-  its own start-up from its first line to its first step): what spotrain adds.
+- notice_to_ranks_local: from sending the POST to the last rank of the generation having its
+  elastic event (the library's latch time, through the control channel);
+- notice_to_control_file_local: from the POST to the runtime's fallback control file
+  appearing (stat-polled every 1 ms by the benchmark);
+- resize_overhead_local: from that event to the next generation running (every rank at its
+  first step), minus what the script itself spent (checkpointing after the event, and its
+  own start-up from its first line to its first step): what spotrain adds.
+
+Then, with the same script, as many reclaims on the Kubernetes runtime and samples of the
+other notice paths (bench/reaction_paths.py): stop_to_ranks_kube (the stop activity's start
+to every rank's event), imds_notice_to_rank, sigterm_to_ack.
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ from spotrain.workers.webhook_auth import AuthConfig
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobStatus
 from spotrain.workflows.training_job import TrainingJob
+from tests import imds_mock
 
+from . import reaction_paths as paths
 from .common import REPO, dev_server, publish, summary
 
 TOKEN = "bench-token-not-a-secret"
@@ -60,7 +69,8 @@ SCRIPT = textwrap.dedent(
     from spotrain.workers import elastic
 
     s = elastic.wait_for_gang()
-    out = os.path.join(os.environ["BENCH_TIMES"], f"{s.generation}-{s.rank}.json")
+    tag = os.environ.get("BENCH_TAG") or os.environ.get("BENCH_PREFIX", "") + str(s.generation)
+    out = os.path.join(os.environ["BENCH_TIMES"], f"{tag}-{s.rank}.json")
     times = {"first_line": first_line}
 
     def record(**marks):
@@ -77,7 +87,7 @@ SCRIPT = textwrap.dedent(
         step += 1
         elastic.report_progress(step)
         if elastic.elastic_event_detected():
-            seen = time.time()
+            seen = elastic.elastic_event()["seen"]  # when the library's channel latched it
             elastic.mark_checkpoint(step, f"ckpt-{step}")
             elastic.ack_checkpoint(step)
             record(event_seen=seen, acked=time.time())
@@ -191,6 +201,7 @@ async def measure(client: Client, root: Path, reclaims: int, nodes: int) -> dict
     url = f"http://127.0.0.1:{await webhook.start()}"
     queue, name = uuid.uuid4().hex, f"reaction-{uuid.uuid4().hex[:8]}"
     notices: list[float] = []
+    sent_at: dict[int, float] = {}  # generation stopped -> when its reclaim was sent
     with ThreadPoolExecutor(max_workers=16) as pool:
         async with (
             Worker(
@@ -216,6 +227,7 @@ async def measure(client: Client, root: Path, reclaims: int, nodes: int) -> dict
                     while status.generation not in watch.seen:
                         await asyncio.sleep(0.001)
                     notices.append(watch.seen[status.generation] - sent)
+                    sent_at[status.generation] = sent
                     await steady(handle, times, nodes)  # shrunk, then grown back
             finally:
                 watch.stop()
@@ -224,31 +236,54 @@ async def measure(client: Client, root: Path, reclaims: int, nodes: int) -> dict
                     await asyncio.wait_for(handle.result(), timeout=60)
                 runtime.cleanup_job(CleanupRequest(job=name))  # and if it could not, we do
                 await webhook.stop()
-    return {"notice_to_workers_s": notices, "resize_overhead_s": overheads(watch, times)}
+    ranks = [
+        max(t["event_seen"] for t in script_times(times, g)) - sent for g, sent in sent_at.items()
+    ]
+    return {
+        "notice_to_ranks_local_s": ranks,
+        "notice_to_control_file_local_s": notices,
+        "resize_overhead_local_s": overheads(watch, times),
+    }
 
 
-async def run(reclaims: int, nodes: int) -> dict[str, Any]:
+async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="spotrain-reaction-") as tmp:
+        root = Path(tmp)
         async with dev_server() as env:
-            return await measure(env.client, Path(tmp), reclaims, nodes)
+            out = await measure(env.client, root, args.reclaims, args.nodes)
+        script, times = root / "train.py", root / "times"
+        out["stop_to_ranks_kube_s"] = paths.kube_reclaims(
+            root, script, times, args.reclaims, args.nodes
+        )
+        if imds_mock.binary() is not None:
+            out["imds_notice_to_rank_s"] = paths.samples(
+                paths.imds_sample, root, script, times, args.imds_samples, "imds"
+            )
+        out["sigterm_to_ack_s"] = paths.samples(
+            paths.sigterm_sample, root, script, times, args.sigterm_samples, "term"
+        )
+        return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="bench.reaction", description=__doc__.split("\n\n")[0])
     p.add_argument("--reclaims", type=int, default=200)
     p.add_argument("--nodes", type=int, default=2, help="one rank per node")
+    p.add_argument("--imds-samples", type=int, default=20)
+    p.add_argument("--sigterm-samples", type=int, default=50)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     logging.getLogger("temporalio").setLevel(logging.ERROR)
     logging.getLogger("spotrain").setLevel(logging.WARNING)
-    samples = asyncio.run(run(args.reclaims, args.nodes))
+    samples = asyncio.run(run(args))
     rows = []
     for metric, values in samples.items():
         stats = summary([1000 * v for v in values])  # milliseconds
         pct = stats.get("median", 0) / (10 * NOTICE_S)  # ms / (120 s * 1000) * 100
         metric_ms = metric.removesuffix("_s") + "_ms"
         rows.append({"metric": metric_ms, **stats, "median_pct_of_notice": pct})
-    report = {"setup": {"reclaims": args.reclaims, "nodes": args.nodes}, "rows": rows}
+    setup = {k: getattr(args, k) for k in ("reclaims", "nodes", "imds_samples", "sigterm_samples")}
+    report = {"setup": setup, "rows": rows}
     report["samples_s"] = samples
     publish(report, rows, COLUMNS, args.out / "reaction.json")
     return report

@@ -117,10 +117,13 @@ def test_scale_benchmark_measures_every_reclaim(tmp_path: Path) -> None:
 
 
 def test_reaction_benchmark_with_real_processes(tmp_path: Path) -> None:
-    report = reaction.main(["--reclaims", "2", "--out", str(tmp_path)])
+    report = reaction.main(
+        ["--reclaims", "2", "--imds-samples", "1", "--sigterm-samples", "2", "--out", str(tmp_path)]
+    )
     rows = {r["metric"]: r for r in report["rows"]}
-    notice, overhead = rows["notice_to_workers_ms"], rows["resize_overhead_ms"]
+    notice, overhead = rows["notice_to_ranks_local_ms"], rows["resize_overhead_local_ms"]
     assert notice["n"] == 2 and 0 < notice["median"] < 10_000
+    assert rows["stop_to_ranks_kube_ms"]["n"] == 2 and rows["sigterm_to_ack_ms"]["n"] == 2
     assert overhead["n"] == 4  # each reclaim: shrink, then grow back onto the replacement
     assert overhead["median"] < 30_000
     assert json.loads((tmp_path / "reaction.json").read_text())["setup"]["reclaims"] == 2

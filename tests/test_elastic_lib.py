@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,18 +17,23 @@ import pytest
 
 from spotrain.activities import worker_env
 from spotrain.activities.store import JobStore
-from spotrain.workers import elastic
+from spotrain.workers import control, elastic
 from spotrain.workflows.contract import GenerationPlan, Member
 
 
 @pytest.fixture(autouse=True)
 def fresh_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The library caches per process (one rank = one process); a test is a new 'process'."""
-    monkeypatch.setattr(elastic, "_control", elastic._ControlFile())
+    """The library caches per process (one rank = one process); a test is a new 'process'.
+    No SIGTERM handler in pytest's own process (tests/test_control_channel.py covers it)."""
+    monkeypatch.setattr(elastic, "_channel", None)
     monkeypatch.setattr(elastic, "_last_progress", 0.0)
+    monkeypatch.setenv(elastic.SIGTERM_ENV, "0")
+    monkeypatch.setenv(control.POLL_ENV, "0.05")
     elastic.settings.cache_clear()
     elastic.store.cache_clear()
     yield
+    if elastic._channel is not None:
+        elastic._channel.close()
     elastic.settings.cache_clear()
     elastic.store.cache_clear()
 
@@ -79,10 +85,11 @@ def test_batch_slices_tile_the_global_batch(
     assert [p for sl in slices for p in sl] == list(range(10))
 
 
-def test_elastic_event_reads_the_file_only_when_it_changes(
+def test_control_file_is_read_only_when_it_changes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    control = as_rank(monkeypatch, tmp_path, rank=0)
+    control_path = tmp_path / "control"
+    source = control.ControlFile(str(control_path), interval_s=1)
     opened: list[Any] = []
     real_open = builtins.open
 
@@ -91,18 +98,53 @@ def test_elastic_event_reads_the_file_only_when_it_changes(
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", counting_open)
-    assert not elastic.elastic_event_detected()  # no file yet: no event
-    control.write_text("")
-    assert not elastic.elastic_event_detected()  # empty (Kubernetes: no annotation)
+    assert source.poll() is None  # no file yet: no event
+    control_path.write_text("")
+    assert source.poll() is None  # empty (Kubernetes: no annotation)
     for _ in range(100):
-        assert not elastic.elastic_event_detected()
-    assert opened == [str(control)]  # read once, then only stat'ed
+        assert source.poll() is None
+    assert opened == [str(control_path)]  # read once, then only stat'ed
 
-    control.write_text("stop")
-    os.utime(control, ns=(1, 1))  # a different mtime even on coarse-clock filesystems
+    control_path.write_text("stop")
+    os.utime(control_path, ns=(1, 1))  # a different mtime even on coarse-clock filesystems
+    assert source.poll() == {"kind": "stop", "detail": "stop"}
+
+
+def test_elastic_event_latches_and_costs_no_io_per_call(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The training loop's check reads a flag: no stat, no open in the calling thread; the
+    channel's own threads poll. Once raised, the event stays (the generation is stopping)."""
+    control_file = as_rank(monkeypatch, tmp_path, rank=0)
+    assert not elastic.elastic_event_detected()  # starts the channel
+    main = threading.main_thread()
+    io_in_loop: list[str] = []
+    real_stat, real_open = os.stat, builtins.open
+
+    def stat(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is main:
+            io_in_loop.append("stat")
+        return real_stat(*args, **kwargs)
+
+    def open_(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is main:
+            io_in_loop.append("open")
+        return real_open(*args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "stat", stat)
+        patched.setattr(builtins, "open", open_)
+        for _ in range(1000):
+            assert not elastic.elastic_event_detected()
+        control_file.write_text("checkpoint-and-stop")
+        deadline = time.monotonic() + 10
+        while not elastic.elastic_event_detected():
+            assert time.monotonic() < deadline
+    assert io_in_loop == []
+    assert elastic.elastic_event()["source"] == "control file"
+    control_file.unlink()
+    time.sleep(0.2)
     assert elastic.elastic_event_detected()
-    control.unlink()
-    assert elastic.elastic_event_detected()  # latched: the generation is stopping
 
 
 def test_wait_for_gang_holds_the_rank_until_the_generation_is_marked_started(

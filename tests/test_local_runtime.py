@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-from spotrain.activities.local import LocalRuntime, _proc_start_time
+from spotrain.activities.local import LocalRuntime, Rank, _proc_start_time
 from spotrain.activities.store import JobStore
 from spotrain.workflows.contract import (
     CleanupRequest,
@@ -287,3 +287,50 @@ def test_completed_waits_until_every_launcher_has_exited(
     lingering.wait()
     done = env.run(rt.watch_generation, watch_req(p, report_after_s=5))
     assert done.outcome == "completed" and done.exit_codes == {0: 0, 1: 0, 2: 0}
+
+
+def test_a_notice_a_rank_found_goes_to_the_workflow_and_its_stop_is_no_fault(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    """A rank that heard EC2 itself (workers/imds.py) reports the notice to the store and
+    stops; here SIGTERM stands in for its own elastic event. The watch hands the notice over
+    at once, and after that the rank's exit 0 is no fault."""
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "train")
+    env.run(rt.start_generation, p)
+    wait_for(env, rt, p, 1)
+    notice = {"kind": "interruption", "node_id": "node-b", "deadline": None, "event_id": "imds-1"}
+    JobStore(p.checkpoint).report_notice(p.generation, notice)
+    started = time.monotonic()
+    found = env.run(rt.watch_generation, watch_req(p, report_after_s=30))
+    assert time.monotonic() - started < 10  # not the 30 s report interval
+    assert [n.model_dump(mode="json") for n in found.notices] == [notice]
+
+    deadline = time.monotonic() + 30
+    while "rank=2" not in rt.log_path("job", 2, 0).read_text():  # past the library's start
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert Rank(2, rt.gen_dir("job", 0)).signal(signal.SIGTERM, group=False)
+    known = watch_req(p).model_copy(update={"known_events": ["imds-1"]})
+    deadline = time.monotonic() + 30
+    while Rank(2, rt.gen_dir("job", 0)).exit_code() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    after = env.run(rt.watch_generation, known)
+    assert after.outcome == "progress" and after.notices == [], after
+    assert JobStore(p.checkpoint).acked_ranks(0) == [2]  # SIGTERM: checkpointed, then exit 0
+
+
+def test_a_stale_stop_left_by_an_earlier_job_is_not_obeyed(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    """A job submitted again under the same name and checkpoint location starts at
+    generation 0 again, where the earlier run left a 'stop' control record."""
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "train")
+    JobStore(p.checkpoint).write_control(0, {"kind": "stop", "event_id": "old", "time": 0})
+    env.run(rt.start_generation, p)
+    wait_for(env, rt, p, 40)  # over a second of steps: several polls of the control record
+    assert all(r.alive() for r in rt._ranks("job", 0))
+    assert JobStore(p.checkpoint).acked_ranks(0) == []
+    env.run(rt.cleanup_job, CleanupRequest(job="job"))

@@ -20,15 +20,27 @@ Gang start: `wait_for_gang` holds the rank until the runtime has every node of t
 up (on Kubernetes: all its pods Running and Ready), so no rank trains, or times out in its
 rendezvous, beside a pod still pulling its image. Call it before the process group.
 
-The elastic event: the control file (`SPOTRAIN_CONTROL_FILE`) holds non-empty content. It may
-not exist yet (no event). Locally the runtime writes it; on Kubernetes a downwardAPI volume
-surfaces a pod annotation there (empty while the annotation is absent).
+The elastic event reaches the rank through the control channel (workers/control.py): daemon
+threads, started by the first `wait_for_gang` or `elastic_event_detected`, poll the
+generation's control record in the checkpoint store every 0.25 s, the runtime's control file
+(`SPOTRAIN_CONTROL_FILE`) as a fallback, and EC2 instance metadata where
+`SPOTRAIN_IMDS_ENDPOINT` is set (workers/imds.py). `elastic_event_detected()` only reads the
+latched flag.
+
+SIGTERM is an elastic event too (a pod deleted, a node drained, an eviction): the library
+installs a handler that latches the event, so the loop checkpoints within its grace period and
+exits as after any elastic event; a second SIGTERM ends the process. It is installed only if
+SIGTERM still has its default action (a script's own handler wins) and not with
+`SPOTRAIN_SIGTERM=0`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cache
@@ -36,6 +48,8 @@ from typing import Any
 
 from spotrain.activities import worker_env
 from spotrain.activities.store import JobStore
+from spotrain.workers.control import Channel, ControlFile, StoreRecord, poll_interval
+from spotrain.workers.imds import Imds
 from spotrain.workflows.planner import local_batch_size
 
 PROGRESS_INTERVAL_S = 1.0
@@ -110,43 +124,58 @@ def wait_for_gang(poll_s: float = 0.2) -> Settings:
     """Block until the runtime marked this generation started (all its nodes up); then the
     generation's settings. A rolled-back gang never gets the mark: its pods are deleted."""
     s = settings()
+    channel = _channel or _start()
     while not store().started(s.generation):
+        if channel.latched:  # stopped before it started: nothing to checkpoint
+            logging.getLogger("spotrain.elastic").warning("elastic event before the gang start")
+            raise SystemExit(0)
         time.sleep(poll_s)
     return s
 
 
-class _ControlFile:
-    """Latches the elastic event; reads the file only when its stat changes (cheap per step)."""
-
-    def __init__(self) -> None:
-        self.seen: tuple[int, int, int] | None = None
-        self.event = False
-
-    def check(self, path: str) -> bool:
-        if self.event or not path:
-            return self.event
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return False
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key != self.seen:
-            self.seen = key
-            try:
-                with open(path) as f:
-                    self.event = bool(f.read().strip())
-            except FileNotFoundError:
-                return False
-        return self.event
+SIGTERM_ENV = "SPOTRAIN_SIGTERM"
+_channel: Channel | None = None
+_start_lock = threading.Lock()
 
 
-_control = _ControlFile()
+def _start() -> Channel:
+    """Start this rank's control channel (once) and, in the main thread, the SIGTERM handler."""
+    global _channel
+    with _start_lock:
+        if _channel is not None:
+            return _channel
+        s, channel, every = settings(), Channel(), poll_interval()
+        channel.watch(StoreRecord(store(), s.generation, every))
+        if s.control_file:
+            channel.watch(ControlFile(s.control_file, every))
+        imds = Imds.from_env(s.node_id, lambda n: store().report_notice(s.generation, n))
+        if imds is not None:
+            channel.watch(imds)
+        if (
+            os.environ.get(SIGTERM_ENV) != "0"
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        ):
+
+            def on_sigterm(signum: int, _frame: object) -> None:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process
+                channel.raise_event("SIGTERM", {"kind": "stop"})
+
+            signal.signal(signal.SIGTERM, on_sigterm)
+        _channel = channel
+        return channel
 
 
 def elastic_event_detected() -> bool:
-    """True once the orchestrator asked this generation to checkpoint and stop (it stays True).
-    Ranks may see it a step apart: agree (e.g. all-reduce the flag) before saving."""
-    return _control.check(settings().control_file)
+    """True once the orchestrator (or EC2, or a SIGTERM) asked this generation to checkpoint
+    and stop; it stays True. A flag read: the channel's threads do the polling. Ranks may see
+    it a poll apart: agree (e.g. all-reduce the flag) before saving."""
+    return (_channel or _start()).latched
+
+
+def elastic_event() -> dict[str, Any] | None:
+    """What raised the event ({"source", "seen": epoch time, "kind", ...}), or None yet."""
+    return (_channel or _start()).event
 
 
 def ack_checkpoint(step: int) -> None:

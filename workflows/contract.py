@@ -194,6 +194,9 @@ class GenerationPlan(Message):
     global_batch_size: int | None = None
     total_steps: int
     gpus_per_proc: int = 0
+    graceful_shutdown_s: float | None = Field(
+        None, description="the spec's graceful timeout: a pod's terminationGracePeriodSeconds"
+    )
 
     @property
     def world_size(self) -> int:
@@ -227,6 +230,9 @@ class WatchRequest(Message):
     world_size: int
     checkpoint: str
     report_after_s: float = Field(description="return with progress at least this often")
+    known_events: list[str] = Field(
+        default_factory=list, description="event ids the workflow has: no early return for them"
+    )
 
 
 class WatchResult(Message):
@@ -238,6 +244,9 @@ class WatchResult(Message):
     checkpoint_step: int | None = None
     exit_codes: dict[int, int] = Field(default_factory=dict, description="rank -> code")
     detail: str = ""
+    notices: list[ReclaimNotice] = Field(
+        default_factory=list, description="reclaim notices ranks found (EC2 metadata)"
+    )
 
 
 class CleanupRequest(Message):

@@ -397,6 +397,7 @@ class TrainingJob:
                 world_size=s.world_size,
                 checkpoint=s.spec.checkpoint,
                 report_after_s=interval,
+                known_events=s.seen_events[-100:],
             ),
             result_type=WatchResult,
             start_to_close_timeout=timedelta(seconds=interval + 300),
@@ -410,6 +411,8 @@ class TrainingJob:
     async def _on_watch(self, w: WatchResult) -> bool:
         s = self._active_state()
         now = self._now()
+        for notice in w.notices:  # found by ranks themselves: queued like the webhook's
+            self.reclaim(notice)
         if w.checkpoint_step is not None and w.checkpoint_step > s.checkpoint_step:
             s.checkpoint_step = w.checkpoint_step
             if s.checkpoint_step > s.generation_checkpoint:
@@ -576,6 +579,7 @@ class TrainingJob:
             global_batch_size=s.spec.global_batch_size,
             total_steps=s.spec.total_steps,
             gpus_per_proc=1 if (s.spec.gpus_per_node or s.spec.total_gpus) else 0,
+            graceful_shutdown_s=s.spec.elastic.graceful_shutdown_timeout_s,
         )
         try:
             await workflow.execute_activity(
