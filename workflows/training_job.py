@@ -26,29 +26,20 @@ from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_
 with workflow.unsafe.imports_passed_through():
     from spotrain.workflows import attributes, calls, events, job_planner
     from spotrain.workflows.contract import (
-        CAPACITY_ERROR,
         CONFIG_ERROR,
         CleanupRequest,
-        DescribeRequest,
         Empty,
-        LaunchRequest,
-        Lifecycle,
-        NodeInfo,
         NodeLost,
-        Offer,
         PoolGrant,
         ReclaimNotice,
-        ReleaseRequest,
         ScaleIn,
         ScaleOut,
-        StopRequest,
-        StopResult,
-        WatchRequest,
         WatchResult,
     )
+    from spotrain.workflows.fleet import Fleet, unless_cancelled
     from spotrain.workflows.history import history_is_long
-    from spotrain.workflows.job_planner import Order, Pool
     from spotrain.workflows.pool import pool_workflow_id
+    from spotrain.workflows.ranks import Ranks
     from spotrain.workflows.spec import SpecError, parse_spec
     from spotrain.workflows.state import (
         JobResult,
@@ -72,13 +63,6 @@ class JobFailed(Exception):
     """The job cannot go on (max restarts, no way to get nodes); the message says why."""
 
 
-def _unless_cancelled(err: ActivityError) -> None:
-    """For code that shrugs off an activity's failure: never shrug off the job's cancellation
-    (a workflow cancelled while it awaits an activity sees that activity fail as cancelled)."""
-    if is_cancelled_exception(err):
-        raise asyncio.CancelledError() from err
-
-
 @workflow.defn(name="TrainingJob")
 class TrainingJob:
     @workflow.init
@@ -90,13 +74,9 @@ class TrainingJob:
                 self.s = JobState.new(parse_spec(spec))
             except SpecError as err:
                 self.invalid = str(err)
-        self._launches: dict[int, asyncio.Task[None]] = {}
-        self._watch: workflow.ActivityHandle[WatchResult] | None = None
-        self._next_watch: datetime | None = None
         self._changes = 0
         self._published: tuple[Any, ...] | None = None
         self._reported: dict[str, Any] | None = None
-        self._fatal: str | None = None  # a launch failed for good (credentials, bad type)
 
     # --- the public interface ----------------------------------------------------------------
 
@@ -107,6 +87,8 @@ class TrainingJob:
                 self.invalid or "invalid job spec", type=INVALID_SPEC, non_retryable=True
             )
         s = self.s
+        self.fleet = Fleet(s, self._on_nodes_changed)
+        self.ranks = Ranks(s, self._set_phase)
         if s.submitted_at is None:
             s.submitted_at = self._now()
             s.next_check = self._now() + timedelta(seconds=s.spec.elastic.capacity_check_interval_s)
@@ -216,10 +198,10 @@ class TrainingJob:
         """Run until the job completes (False) or should continue as new (True)."""
         s = self._active_state()
         if not s.nodes:
-            await self._reconcile_orders()
+            await self.fleet.reconcile()
         while True:
-            if self._fatal:
-                raise JobFailed(self._fatal)
+            if self.fleet.fatal:
+                raise JobFailed(self.fleet.fatal)
             await self._handle_inbox()
             await self._report_to_pool()
             if s.phase in (Phase.PAUSED, Phase.QUEUED):
@@ -234,12 +216,12 @@ class TrainingJob:
                 await self._periodic_checks()
             if (
                 history_is_long()
-                and not self._launches
+                and not self.fleet.launches
                 # (before the patch, only a running job continued as new: one short of
                 # nodes for long kept growing its history)
                 and (s.running or workflow.patched("continue-as-new-when-not-running"))
             ):
-                self._cancel_watch()
+                self.ranks.cancel_watch()
                 return True
 
     async def _wait(
@@ -266,14 +248,11 @@ class TrainingJob:
     async def _watch_generation(self) -> bool:
         """Watch the running generation until something needs a decision. True: completed."""
         s = self._active_state()
-        if self._watch is None and (self._next_watch is None or self._now() >= self._next_watch):
-            self._start_watch()
-        watch = self._watch
-        # A runtime that answers early is not polled again before the report interval is up.
+        watch = self.ranks.watch()
         wake = {
             "next capacity check": s.next_check,
             "grow once the scaling timeout has passed": self._growth_at(),
-            "next progress report": None if watch else self._next_watch,
+            "next progress report": None if watch else self.ranks.next_watch,
         }
         soonest = min(((w, why) for why, w in wake.items() if w is not None), default=None)
         await self._wait(
@@ -288,27 +267,12 @@ class TrainingJob:
             return False
         if watch is None or not watch.done():
             return False
-        self._watch = None
+        self.ranks.watching = None
         try:
             outcome = watch.result()
         except ActivityError as err:
             outcome = WatchResult(outcome="failed", detail=f"watch failed: {err.cause}")
         return await self._on_watch(outcome)
-
-    def _start_watch(self) -> None:
-        s = self._active_state()
-        interval = s.spec.elastic.progress_report_interval_s
-        self._next_watch = self._now() + timedelta(seconds=interval)
-        self._watch = calls.watch_generation(
-            WatchRequest(
-                job=s.spec.name,
-                generation=s.generation,
-                world_size=s.world_size,
-                checkpoint=s.spec.checkpoint,
-                report_after_s=interval,
-            ),
-            f"watch generation {s.generation} ({s.world_size} ranks)",
-        )
 
     async def _on_watch(self, w: WatchResult) -> bool:
         s = self._active_state()
@@ -323,52 +287,12 @@ class TrainingJob:
             await self._fault(detail)
         return False
 
-    def _cancel_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            # Abandoned, so its outcome (a cancellation) is of no interest: retrieve it.
-            self._watch.add_done_callback(lambda h: h.cancelled() or h.exception())
-            self._watch = None
-
-    async def _stop(
-        self,
-        *,
-        graceful: bool,
-        grace: float,
-        lost: list[str],
-        reason: str,
-        notice_at: datetime | None = None,
-    ) -> StopResult:
-        """End the running generation; afterwards the job resumes from the latest checkpoint."""
-        s = self._active_state()
-        self._cancel_watch()
-        self._set_phase(Phase.RESIZING)
-        result = await calls.stop_generation(
-            StopRequest(
-                job=s.spec.name,
-                generation=s.generation,
-                world_size=s.world_size,
-                checkpoint=s.spec.checkpoint,
-                graceful=graceful,
-                grace_s=grace,
-                lost_node_ids=lost,
-                notice_at=notice_at,
-            ),
-            f"{'checkpoint, ' if graceful else ''}stop generation {s.generation}: {reason}",
-        )
-        s.note_stopped(result)
-        how = "checkpointed" if graceful and not result.forced else "stopped"
-        s.record(
-            self._now(), f"generation {how}", f"{reason}; resume from step {s.checkpoint_step}"
-        )
-        return result
-
     async def _resize(self, *, reason: str, detail: str) -> None:
         """Checkpoint and stop the running generation, so the next one starts resized."""
         s = self._active_state()
         if s.running:
             s.resizes += 1
-            await self._stop(
+            await self.ranks.stop(
                 graceful=True,
                 grace=s.spec.elastic.graceful_shutdown_timeout_s,
                 lost=[],
@@ -382,8 +306,8 @@ class TrainingJob:
         s.faults += 1
         s.restarts += 1
         s.record(self._now(), "fault", detail)
-        gone = [info for info in await self._describe(s.member_nodes) if info.state == "gone"]
-        await self._stop(
+        gone = [info for info in await self.fleet.describe(s.member_nodes) if info.state == "gone"]
+        await self.ranks.stop(
             graceful=False, grace=0, lost=[i.node_id for i in gone], reason=f"fault: {detail}"
         )
         if gone:
@@ -399,7 +323,7 @@ class TrainingJob:
 
     async def _start_generation_when_ready(self) -> None:
         s = self._active_state()
-        plan = job_planner.next_generation(s, self._now(), launching=bool(self._launches))
+        plan = job_planner.next_generation(s, self._now(), launching=bool(self.fleet.launches))
         s.hold_until = plan.hold_until
         if plan.members is None:
             if plan.too_few:
@@ -410,35 +334,19 @@ class TrainingJob:
 
     async def _start(self, members: list[int]) -> None:
         s = self._active_state()
-        previous = sum(n.procs for n in s.member_nodes)
-        s.generation += 1
-        s.members = members
-        s.generation_checkpoint = s.checkpoint_step
         try:
-            await calls.start_generation(
-                job_planner.generation_plan(s),
-                f"start generation {s.generation} on {len(members)} node(s)",
-            )
+            await self.ranks.start(members)
         except ActivityError as err:
-            _unless_cancelled(err)
+            unless_cancelled(err)
             s.running = True  # started in part: stop what is there as a fault
             detail = f"generation {s.generation} failed to start: {err.cause}"
             await self._fault(detail)
             if calls.error_type(err) == CONFIG_ERROR:  # no image, no permission: won't heal
                 raise JobFailed(detail) from None
             return
-        s.running = True
-        s.progress_at = self._now()
-        self._next_watch = None
-        s.record(
-            self._now(),
-            "generation started",
-            f"{len(members)} node(s), world size {s.world_size} (was {previous})",
-        )
-        self._set_phase(Phase.RUNNING)
         spare, target = job_planner.swap_back(s)
         if spare:  # back on spot: the on-demand fallback nodes left out go
-            await self._release(spare, "swapped back to spot")
+            await self.fleet.release(spare, "swapped back to spot")
             s.target = target
         self._on_nodes_changed()
 
@@ -459,7 +367,7 @@ class TrainingJob:
                     s.ceiling = max(s.ceiling, s.target)
                     s.owed += count
                     s.record(self._now(), "scale out", f"target {s.target} nodes")
-                    await self._reconcile_orders()
+                    await self.fleet.reconcile()
                 case events.ScaleIn(count=count, node_ids=node_ids):
                     down = job_planner.scale_in_plan(s, count, node_ids)
                     s.target = s.ceiling = down.target
@@ -496,7 +404,7 @@ class TrainingJob:
                 s.inbox.remove(absorbed)
             s.resizes += 1
             names = ", ".join(n.node_id or "" for n in plan.leaving)
-            await self._stop(
+            await self.ranks.stop(
                 graceful=True,
                 grace=plan.grace,
                 lost=[],
@@ -511,7 +419,7 @@ class TrainingJob:
         s = self._active_state()
         if node.slot in s.members and s.running:
             s.resizes += 1
-            await self._stop(
+            await self.ranks.stop(
                 graceful=False,
                 grace=0,
                 lost=[node.node_id or ""],
@@ -527,10 +435,10 @@ class TrainingJob:
             return
         after = job_planner.after_loss(s, node, reason)
         s.reclaims += after.reclaim
-        await self._release([node], reason, state=NodeState.GONE)
+        await self.fleet.release([node], reason, state=NodeState.GONE)
         s.owed += after.owe
         s.target = after.target
-        await self._reconcile_orders()
+        await self.fleet.reconcile()
 
     async def _remove(self, victims: list[NodeRecord], why: str, released: str) -> None:
         """Checkpoint and restart without `victims` if they train, then release them."""
@@ -538,15 +446,15 @@ class TrainingJob:
         if any(v.slot in s.members for v in victims):
             names = ", ".join(v.node_id or f"slot-{v.slot}" for v in victims)
             await self._resize(reason=why, detail=names)
-        await self._release(victims, released)
+        await self.fleet.release(victims, released)
 
     async def _release_everything(self, why: str, detail: str, released: str) -> None:
         """Checkpoint, stop, and give every node back (pause, preemption by the pool)."""
         s = self._active_state()
         if s.running:
             await self._resize(reason=why, detail=detail)
-        await self._settle_launches()
-        await self._release([n for n in s.nodes if n.alive], released)
+        await self.fleet.settle()
+        await self.fleet.release([n for n in s.nodes if n.alive], released)
 
     async def _on_resume(self) -> None:
         s = self._active_state()
@@ -554,7 +462,7 @@ class TrainingJob:
         s.owed = s.target - s.spec.on_demand.base_nodes
         if s.spec.pool is None:
             self._set_phase(Phase.PENDING)
-            await self._reconcile_orders()
+            await self.fleet.reconcile()
         else:  # claim again: the pool admits it when its turn comes
             s.grant = None
             self._set_phase(Phase.QUEUED)
@@ -591,7 +499,7 @@ class TrainingJob:
             await self._remove(
                 plan.victims, f"pool {pool} shrinks the job", "given back to the pool"
             )
-        await self._reconcile_orders()
+        await self.fleet.reconcile()
 
     async def _report_to_pool(self) -> None:
         """Tell the pool what the job claims and holds, whenever that changed."""
@@ -617,172 +525,6 @@ class TrainingJob:
                 ) from None
         self._reported = figures
 
-    # --- nodes -------------------------------------------------------------------------------
-
-    async def _reconcile_orders(self, *, spot_only: bool = False) -> None:
-        """Order nodes until the job holds what it may (base on-demand first, then spot, then
-        on-demand fallback for the nodes it is owed)."""
-        s = self._active_state()
-        short = job_planner.shortfall(s)
-        if short <= 0:
-            return
-        base = job_planner.base_orders(s, short)
-        for order in base:
-            self._order(order)
-        short -= len(base)
-        if short <= 0:
-            return
-        held = job_planner.spot_held(s)
-        offers = await self._find_offers()
-        plan = job_planner.spot_orders(s, offers, short, held, spot_only=spot_only)
-        for order in plan.orders:
-            self._order(order)
-        s.owed = plan.owed
-        if plan.waiting:
-            s.record(self._now(), "waiting for capacity", f"{plan.waiting} node(s) short")
-
-    def _order(self, order: Order) -> None:
-        s = self._active_state()
-        s.next_slot = max(s.next_slot, len(s.nodes))  # (states carried from before next_slot)
-        node = NodeRecord(
-            slot=s.next_slot,
-            lifecycle=order.lifecycle,
-            instance_type=order.instance_type,
-            zone=order.zone,
-            base=order.base,
-            fallback=order.fallback,
-            procs=order.procs,
-            price=0.0,
-            on_demand_price=s.spec.instance_type(order.instance_type).on_demand_price,
-        )
-        s.nodes.append(node)
-        s.next_slot += 1
-        task = asyncio.create_task(self._launch(node, order.pools, order.on_demand_ok))
-        self._launches[node.slot] = task
-        task.add_done_callback(lambda _: self._launches.pop(node.slot, None))
-
-    async def _launch(self, node: NodeRecord, pools: list[Pool], on_demand_ok: bool) -> None:
-        """Try each spot pool in turn, then on-demand if allowed; capacity errors move on."""
-        s = self._active_state()
-        fallback_type = None
-        if on_demand_ok and node.lifecycle == "spot":  # sized to the share it stands in for
-            fallback_type = job_planner.on_demand_type(s.spec, job_planner.next_need(s)[0])
-        tries = job_planner.launch_tries(node.lifecycle, node.instance_type, pools, fallback_type)
-        for i, (itype, zone, lifecycle) in enumerate(tries):
-            node.instance_type, node.zone, node.lifecycle = itype, zone, lifecycle
-            node.fallback = node.fallback or (lifecycle == "on-demand" and not node.base)
-            try:
-                info = await calls.launch_node(
-                    self._launch_request(node, tries[i + 1 :]),
-                    f"launch {lifecycle} {itype} in {zone or 'any zone'}, slot {node.slot}",
-                )
-            except ActivityError as err:
-                node.attempt += 1
-                if calls.error_type(err) == CAPACITY_ERROR:
-                    continue
-                s.record(self._now(), "launch failed", f"slot {node.slot}: {err.cause}")
-                if calls.error_type(err) == CONFIG_ERROR:  # will not heal by retrying: say so
-                    self._fatal = f"cannot launch {lifecycle} {itype}: {err.cause}"
-                break
-            if not node.alive:  # released while launching (cancel, pause, scale in)
-                await self._release_ids([info.node_id], "no longer needed")
-                return
-            self._node_ready(node, info)
-            return
-        node.state, node.reason, node.ended_at = NodeState.GONE, "no capacity", self._now()
-        self._on_nodes_changed()
-
-    def _launch_request(
-        self, node: NodeRecord, rest: list[tuple[str, str | None, Lifecycle]]
-    ) -> LaunchRequest:
-        s = self._active_state()
-        spot = node.lifecycle == "spot"
-        return LaunchRequest(
-            job=s.spec.name,
-            slot=node.slot,
-            attempt=node.attempt,
-            generation=s.generation,
-            lifecycle=node.lifecycle,
-            instance_type=node.instance_type,
-            zone=node.zone,
-            max_price=s.spec.spot.max_price if spot else None,
-            **self._regions(),
-            fallback_pools=[(t, z) for t, z, lc in rest if lc == "spot" and z] if spot else [],
-        )
-
-    def _node_ready(self, node: NodeRecord, info: NodeInfo) -> None:
-        s = self._active_state()
-        # (an EC2 Fleet may have chosen another pool than the first asked for)
-        node.node_id, node.address, node.zone = info.node_id, info.address, info.zone
-        node.instance_type = info.instance_type
-        node.state = NodeState.READY
-        node.ready_at = self._now()
-        node.price = job_planner.node_price(s, node.lifecycle, info.instance_type, info.zone)
-        s.record(
-            self._now(),
-            "node ready",
-            f"{node.lifecycle} {info.instance_type} {info.zone} {info.node_id}",
-        )
-        self._on_nodes_changed()
-
-    async def _settle_launches(self) -> None:
-        """Let in-flight launches finish so that every node they made is known (and released)."""
-        await workflow.wait_condition(lambda: not self._launches)
-
-    async def _release(
-        self, nodes: list[NodeRecord], reason: str, state: NodeState = NodeState.RELEASED
-    ) -> None:
-        s = self._active_state()
-        now = self._now()
-        for n in nodes:
-            n.state, n.reason = state, reason
-            n.ended_at = n.ended_at or now
-            s.record(
-                now, f"node {state}", f"{n.lifecycle} {n.node_id or f'slot {n.slot}'}: {reason}"
-            )
-        await self._release_ids([n.node_id for n in nodes if n.node_id], reason)
-        self._on_nodes_changed()
-
-    async def _release_ids(self, ids: list[str], reason: str) -> None:
-        if ids:
-            s = self._active_state()
-            await calls.release_nodes(
-                ReleaseRequest(job=s.spec.name, node_ids=ids, **self._regions()),
-                f"release {', '.join(ids)}: {reason}",
-            )
-
-    def _regions(self) -> dict[str, Any]:
-        """Where the provider looks for the job's nodes: its home region and more_regions."""
-        spot = self._active_state().spec.spot
-        return {"region": spot.region, "more_regions": spot.more_regions}
-
-    async def _find_offers(self) -> list[Offer]:
-        s = self._active_state()
-        if not s.spec.spot.enabled:
-            return []
-        try:
-            offers = await calls.find_offers(s.spec.spot)
-        except ActivityError as err:
-            _unless_cancelled(err)
-            return []  # a flapping cloud API means no new orders this round, nothing more
-        s.spot_prices |= {f"{o.instance_type}@{o.zone}": o.price for o in offers}
-        return offers
-
-    async def _describe(self, nodes: list[NodeRecord] | None) -> list[NodeInfo]:
-        """The provider's view of `nodes`, or of every node tagged with the job (None)."""
-        s = self._active_state()
-        ids = [] if nodes is None else [n.node_id for n in nodes if n.node_id]
-        if nodes is not None and not ids:
-            return []
-        try:
-            return await calls.describe_nodes(
-                DescribeRequest(job=s.spec.name, node_ids=ids, **self._regions()),
-                f"check {len(ids)} node(s)" if ids else "find every node of the job",
-            )
-        except ActivityError as err:
-            _unless_cancelled(err)
-            return []  # only a node that is really gone changes membership, not an API error
-
     def _on_nodes_changed(self) -> None:
         s = self._active_state()
         self._changes += 1
@@ -800,31 +542,31 @@ class TrainingJob:
         """Catch losses no webhook reported, grow onto spare spot, swap fallback nodes back."""
         s = self._active_state()
         s.next_check = self._now() + timedelta(seconds=s.spec.elastic.capacity_check_interval_s)
-        for info in await self._describe([n for n in s.nodes if n.state == NodeState.READY]):
+        for info in await self.fleet.describe([n for n in s.nodes if n.state == NodeState.READY]):
             if info.state == "gone":
                 s.inbox.append(events.Lost(node_id=info.node_id))
-        check = job_planner.capacity_check(s, launching=bool(self._launches))
+        check = job_planner.capacity_check(s, launching=bool(self.fleet.launches))
         if check is None:
             return
-        if check.wants_spot and await self._find_offers():
+        if check.wants_spot and await self.fleet.find_offers():
             s.target = job_planner.target_with_spot(s, check)
-            await self._reconcile_orders(spot_only=True)
+            await self.fleet.reconcile(spot_only=True)
         else:
-            await self._reconcile_orders()
+            await self.fleet.reconcile()
 
     # --- teardown and visibility -------------------------------------------------------------
 
     async def _teardown(self, phase: Phase, keep: bool) -> None:
         """Release every node and worker the job owns; runs on success, failure and cancel."""
         s = self._active_state()
-        self._cancel_watch()
+        self.ranks.cancel_watch()
         if s.running:
-            await self._stop(graceful=False, grace=0, lost=[], reason=f"job {phase.lower()}")
-        await self._settle_launches()
-        await self._release([n for n in s.nodes if n.alive], "job ended")
+            await self.ranks.stop(graceful=False, grace=0, lost=[], reason=f"job {phase.lower()}")
+        await self.fleet.settle()
+        await self.fleet.release([n for n in s.nodes if n.alive], "job ended")
         # A launch whose result was lost (cancelled mid-call) left a node only its tags know.
-        strays = [i.node_id for i in await self._describe(None) if i.state != "gone"]
-        await self._release_ids(strays, "job ended (found by tag)")
+        strays = [i.node_id for i in await self.fleet.describe(None) if i.state != "gone"]
+        await self.fleet.release_ids(strays, "job ended (found by tag)")
         await calls.cleanup_job(
             CleanupRequest(job=s.spec.name, keep=keep),
             "remove the job's workers" + (" (keeping logs)" if keep else ""),
@@ -843,29 +585,9 @@ class TrainingJob:
     def _publish(self) -> None:
         """Keep search attributes current for the UI, `spotrain list` and the webhook."""
         s = self._active_state()
-        alive = [n for n in s.nodes if n.alive]
-        values = (
-            str(s.phase),
-            s.world_size,
-            sum(n.lifecycle == "spot" for n in alive),
-            sum(n.lifecycle == "on-demand" for n in alive),
-            tuple(sorted(n.node_id for n in alive if n.node_id)),
-        )
-        if values == self._published:
-            return
-        self._published = values
-        _, cost, _ = s.costs(self._now())
-        workflow.upsert_search_attributes(
-            [
-                attributes.JOB.value_set(s.spec.name),
-                attributes.PHASE.value_set(values[0]),
-                attributes.WORLD_SIZE.value_set(values[1]),
-                attributes.SPOT_NODES.value_set(values[2]),
-                attributes.ON_DEMAND_NODES.value_set(values[3]),
-                attributes.NODE_IDS.value_set(list(values[4])),
-                attributes.COST.value_set(round(sum(cost.values()), 4)),
-            ]
-        )
+        if attributes.shown(s) != self._published:
+            self._published = attributes.shown(s)
+            workflow.upsert_search_attributes(attributes.updates(s, self._now()))
 
     def _now(self) -> datetime:
         return workflow.now()
