@@ -108,6 +108,7 @@ def test_on_demand_room_follows_fallback_max_nodes_base_and_the_pool() -> None:
 
 def test_node_price_spec_then_market_then_on_demand() -> None:
     s = state()
+    s.spot_prices["p3.2xlarge@us-east-1a"] = 0.5  # the spec's spot_price wins over the market's
     assert job_planner.node_price(s, "spot", "p3.2xlarge", "us-east-1a") == 0.97
     assert job_planner.node_price(s, "on-demand", "p3.2xlarge", "us-east-1a") == 3.06
     types = [{"name": "m5", "on_demand_price": 0.1}]
@@ -240,7 +241,11 @@ def test_a_generation_starts_at_the_largest_allowed_size_ready(
 
 
 def test_scale_config_is_the_entry_for_the_world_size_in_processes() -> None:
-    s = state(procs_per_node=2, scale_config={2: {"lr": 0.1}, 4: {"lr": 0.2}, 6: {"lr": 0.3}})
+    s = state(
+        procs_per_node=2,
+        global_batch_size=48,
+        scale_config={2: {"lr": 0.1}, 4: {"lr": 0.2}, 6: {"lr": 0.3}},
+    )
     s.nodes = [node(i, procs=2) for i in range(3)]
     s.members = [0, 1]
     assert job_planner.generation_plan(s).scale_config == {"lr": 0.2}  # 2 nodes x 2 = 4
@@ -251,6 +256,7 @@ def test_scale_config_is_the_entry_for_the_world_size_in_processes() -> None:
         "i-0",
         "i-1",
     ]
+    assert (plan.global_batch_size, plan.total_steps, plan.generation) == (48, 36_000, 0)
     s.members = [0]
     assert job_planner.generation_plan(s).scale_config == {"lr": 0.1}
     assert job_planner.generation_plan(state()).scale_config == {}
@@ -330,7 +336,7 @@ def test_growth_swaps_fallback_nodes_for_spot_at_the_same_size() -> None:
 
 
 def test_reclaim_plan_per_case() -> None:
-    s = running(state(elastic={"graceful_shutdown_timeout_s": 60}), [0, 1, 2])
+    s = running(state(elastic={"graceful_shutdown_timeout_s": 45}), [0, 1, 2])
     s.nodes = [node(i) for i in range(4)]
     soon = T0 + timedelta(seconds=30)
     assert job_planner.reclaim_plan(s, events.Reclaim(node_id="i-9"), T0).action == "ignore"
@@ -344,7 +350,7 @@ def test_reclaim_plan_per_case() -> None:
     plan = job_planner.reclaim_plan(s, events.Reclaim(node_id="i-1", deadline=soon), T0)
     assert plan.action == "resize" and plan.grace == 25  # the notice's 30 s less a margin
     no_deadline = job_planner.reclaim_plan(s, events.Reclaim(node_id="i-1"), T0)
-    assert no_deadline.grace == 60  # graceful_shutdown_timeout_s
+    assert no_deadline.grace == 45  # graceful_shutdown_timeout_s
 
 
 def test_reclaims_queued_meanwhile_leave_in_the_same_resize() -> None:
@@ -384,6 +390,8 @@ def test_scale_in_removes_spare_nodes_then_the_highest_ranks() -> None:
     assert down.names == ["i-3", "i-1"] and down.target == 2
     named = job_planner.scale_in_plan(s, None, ["i-0"])
     assert named.names == ["i-0"] and named.target == 3
+    s.target = 2  # (a loss shrank the job after the request was accepted)
+    assert job_planner.scale_in_plan(s, 1, None).target == 2  # never below min_nodes
 
 
 def test_scale_requests_are_checked_against_min_and_max() -> None:

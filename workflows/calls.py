@@ -6,6 +6,7 @@ code only.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -13,8 +14,16 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import contract
     from spotrain.workflows.contract import (
+        CLEANUP_JOB,
+        DESCRIBE_NODES,
+        FIND_OFFERS,
+        LAUNCH_NODE,
+        NON_RETRYABLE_ERRORS,
+        RELEASE_NODES,
+        START_GENERATION,
+        STOP_GENERATION,
+        WATCH_GENERATION,
         CleanupRequest,
         DescribeRequest,
         GenerationPlan,
@@ -35,78 +44,67 @@ HEARTBEAT = timedelta(seconds=20)
 QUICK_CALL = timedelta(seconds=30)
 QUICK = RetryPolicy(maximum_attempts=5, maximum_interval=timedelta(seconds=10))
 PERSISTENT = RetryPolicy(maximum_interval=timedelta(seconds=30))
+# Read-only calls that answer at once (no heartbeat): a failure costs one round, nothing more.
+QUICK_READ: dict[str, Any] = {"timeout": QUICK_CALL, "retry": QUICK, "heartbeat": None}
 LAUNCH_RETRY = RetryPolicy(
     maximum_attempts=20,
     maximum_interval=timedelta(seconds=30),
-    non_retryable_error_types=list(contract.NON_RETRYABLE_ERRORS),
+    non_retryable_error_types=list(NON_RETRYABLE_ERRORS),
 )
 
 
 def error_type(err: ActivityError) -> str | None:
-    """The typed error an activity raised (`contract.CAPACITY_ERROR`...), if any."""
+    """The typed error an activity raised (`CAPACITY_ERROR`...), if any."""
     cause = err.cause
     return cause.type if isinstance(cause, ApplicationError) else None
 
 
-async def launch_node(req: LaunchRequest, summary: str) -> NodeInfo:
+async def _run(
+    name: str,
+    arg: Any,
+    summary: str,
+    result_type: Any = None,
+    *,
+    timeout: timedelta,
+    retry: RetryPolicy = PERSISTENT,
+    heartbeat: timedelta | None = HEARTBEAT,
+) -> Any:
     return await workflow.execute_activity(
-        contract.LAUNCH_NODE,
-        req,
-        result_type=NodeInfo,
-        start_to_close_timeout=timedelta(minutes=15),
-        heartbeat_timeout=HEARTBEAT,
-        retry_policy=LAUNCH_RETRY,
+        name,
+        arg,
+        result_type=result_type,
+        start_to_close_timeout=timeout,
+        heartbeat_timeout=heartbeat,
+        retry_policy=retry,
         summary=summary,
     )
+
+
+async def launch_node(req: LaunchRequest, summary: str) -> NodeInfo:
+    long = timedelta(minutes=15)
+    return await _run(LAUNCH_NODE, req, summary, NodeInfo, timeout=long, retry=LAUNCH_RETRY)
 
 
 async def release_nodes(req: ReleaseRequest, summary: str) -> None:
-    await workflow.execute_activity(
-        contract.RELEASE_NODES,
-        req,
-        start_to_close_timeout=timedelta(minutes=5),
-        heartbeat_timeout=HEARTBEAT,
-        retry_policy=PERSISTENT,
-        summary=summary,
-    )
+    await _run(RELEASE_NODES, req, summary, timeout=timedelta(minutes=5))
 
 
 async def find_offers(spot: SpotPolicy) -> list[Offer]:
-    return await workflow.execute_activity(
-        contract.FIND_OFFERS,
-        spot,
-        result_type=list[Offer],
-        start_to_close_timeout=QUICK_CALL,
-        retry_policy=QUICK,
-        summary="find spot pools that can serve now",
-    )
+    summary = "find spot pools that can serve now"
+    return await _run(FIND_OFFERS, spot, summary, list[Offer], **QUICK_READ)
 
 
 async def describe_nodes(req: DescribeRequest, summary: str) -> list[NodeInfo]:
-    return await workflow.execute_activity(
-        contract.DESCRIBE_NODES,
-        req,
-        result_type=list[NodeInfo],
-        start_to_close_timeout=QUICK_CALL,
-        retry_policy=QUICK,
-        summary=summary,
-    )
+    return await _run(DESCRIBE_NODES, req, summary, list[NodeInfo], **QUICK_READ)
 
 
 async def start_generation(plan: GenerationPlan, summary: str) -> None:
-    await workflow.execute_activity(
-        contract.START_GENERATION,
-        plan,
-        start_to_close_timeout=timedelta(minutes=15),
-        heartbeat_timeout=HEARTBEAT,
-        retry_policy=QUICK,
-        summary=summary,
-    )
+    await _run(START_GENERATION, plan, summary, timeout=timedelta(minutes=15), retry=QUICK)
 
 
 def watch_generation(req: WatchRequest, summary: str) -> ActivityHandle[WatchResult]:
     return workflow.start_activity(
-        contract.WATCH_GENERATION,
+        WATCH_GENERATION,
         req,
         result_type=WatchResult,
         start_to_close_timeout=timedelta(seconds=req.report_after_s + 300),
@@ -119,23 +117,9 @@ def watch_generation(req: WatchRequest, summary: str) -> ActivityHandle[WatchRes
 
 
 async def stop_generation(req: StopRequest, summary: str) -> StopResult:
-    return await workflow.execute_activity(
-        contract.STOP_GENERATION,
-        req,
-        result_type=StopResult,
-        start_to_close_timeout=timedelta(seconds=req.grace_s + 120),
-        heartbeat_timeout=HEARTBEAT,
-        retry_policy=PERSISTENT,
-        summary=summary,
-    )
+    timeout = timedelta(seconds=req.grace_s + 120)
+    return await _run(STOP_GENERATION, req, summary, StopResult, timeout=timeout)
 
 
 async def cleanup_job(req: CleanupRequest, summary: str) -> None:
-    await workflow.execute_activity(
-        contract.CLEANUP_JOB,
-        req,
-        start_to_close_timeout=timedelta(minutes=5),
-        heartbeat_timeout=HEARTBEAT,
-        retry_policy=PERSISTENT,
-        summary=summary,
-    )
+    await _run(CLEANUP_JOB, req, summary, timeout=timedelta(minutes=5))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 from temporalio import workflow
 
@@ -55,16 +56,20 @@ class Ranks:
             interval = s.spec.elastic.progress_report_interval_s
             self.next_watch = workflow.now() + timedelta(seconds=interval)
             self.watching = calls.watch_generation(
-                WatchRequest(
-                    job=s.spec.name,
-                    generation=s.generation,
-                    world_size=s.world_size,
-                    checkpoint=s.spec.checkpoint,
-                    report_after_s=interval,
-                ),
+                WatchRequest(**self._generation(), report_after_s=interval),
                 f"watch generation {s.generation} ({s.world_size} ranks)",
             )
         return self.watching
+
+    def _generation(self) -> dict[str, Any]:
+        """What names the running generation to the runtime."""
+        s = self.s
+        return {
+            "job": s.spec.name,
+            "generation": s.generation,
+            "world_size": s.world_size,
+            "checkpoint": s.spec.checkpoint,
+        }
 
     def cancel_watch(self) -> None:
         if self.watching is not None:
@@ -89,10 +94,7 @@ class Ranks:
         self.set_phase(Phase.RESIZING)
         result = await calls.stop_generation(
             StopRequest(
-                job=s.spec.name,
-                generation=s.generation,
-                world_size=s.world_size,
-                checkpoint=s.spec.checkpoint,
+                **self._generation(),
                 graceful=graceful,
                 grace_s=grace,
                 lost_node_ids=lost,
