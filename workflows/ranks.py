@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from spotrain.workflows import calls, job_planner
@@ -60,6 +61,18 @@ class Ranks:
                 f"watch generation {s.generation} ({s.world_size} ranks)",
             )
         return self.watching
+
+    def outcome(self) -> WatchResult | None:
+        """The watch's answer, once it has one (a watch that failed reads as a failed
+        generation); the next `watch()` starts another."""
+        watch = self.watching
+        if watch is None or not watch.done():
+            return None
+        self.watching = None
+        try:
+            return watch.result()
+        except ActivityError as err:
+            return WatchResult(outcome="failed", detail=f"watch failed: {err.cause}")
 
     def _generation(self) -> dict[str, Any]:
         """What names the running generation to the runtime."""

@@ -9,7 +9,7 @@ Signals and updates only queue events (`events`); the main loop is the one place
 on them, so decisions are sequential and easy to follow. All state lives in `JobState`, which
 continue-as-new carries whole. This module only sequences: every decision is a pure function
 of `job_planner` (state in, plan out), and every side effect an activity called through
-`calls`.
+`calls`: by `fleet` for the job's nodes, by `ranks` for its training processes.
 """
 
 from __future__ import annotations
@@ -118,9 +118,12 @@ class TrainingJob:
     @workflow.signal(name="reclaim")
     def reclaim(self, notice: ReclaimNotice) -> None:
         if self.s and self.s.remember(notice.event_id):
-            kind = "rebalance" if notice.kind == "rebalance" else "reclaim"
             self.s.inbox.append(
-                events.Reclaim(kind=kind, node_id=notice.node_id, deadline=notice.deadline)
+                events.Reclaim(
+                    kind="rebalance" if notice.kind == "rebalance" else "reclaim",
+                    node_id=notice.node_id,
+                    deadline=notice.deadline,
+                )
             )
 
     @workflow.signal(name="node_lost")
@@ -265,14 +268,8 @@ class TrainingJob:
             plan = job_planner.growth_plan(s) or []
             await self._resize(reason="grow", detail=f"{len(s.members)} -> {len(plan)} node(s)")
             return False
-        if watch is None or not watch.done():
-            return False
-        self.ranks.watching = None
-        try:
-            outcome = watch.result()
-        except ActivityError as err:
-            outcome = WatchResult(outcome="failed", detail=f"watch failed: {err.cause}")
-        return await self._on_watch(outcome)
+        outcome = self.ranks.outcome()
+        return outcome is not None and await self._on_watch(outcome)
 
     async def _on_watch(self, w: WatchResult) -> bool:
         s = self._active_state()
