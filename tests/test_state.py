@@ -6,21 +6,22 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from spotrain.workflows.contract import Lifecycle
 from spotrain.workflows.spec import parse_spec
-from spotrain.workflows.state import JobState, NodeRecord
+from spotrain.workflows.state import JobState, NodeRecord, NodeState
 
 from .jobs import job_spec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def node(slot: int, lifecycle: str, hours: float, ended: bool) -> NodeRecord:
+def node(slot: int, lifecycle: Lifecycle, hours: float, ended: bool) -> NodeRecord:
     price = 0.97 if lifecycle == "spot" else 3.06
     return NodeRecord(
         slot=slot,
-        lifecycle=lifecycle,  # type: ignore[arg-type]
+        lifecycle=lifecycle,
         instance_type="p3.2xlarge",
-        state="gone" if ended else "ready",
+        state=NodeState.GONE if ended else NodeState.READY,
         price=price,
         on_demand_price=3.06,
         ready_at=T0,

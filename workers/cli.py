@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -52,8 +52,7 @@ from spotrain.workflows.spec import SpecError, describe_errors, parse_spec
 from spotrain.workflows.state import JobResult, JobStatus, Phase, TimelineEntry
 
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
-PHASES = get_args(Phase)
-FINAL_PHASES = ("Succeeded", "Failed", "Cancelled")
+PHASES = [p.value for p in Phase]
 JOB_FAILED = "JobFailed"  # the workflow's failure type; details[0] is the JobResult
 RPC_TIMEOUT = timedelta(seconds=15)
 
@@ -222,7 +221,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             search_attributes=TypedSearchAttributes(
                 [
                     SearchAttributePair(attributes.JOB, name),
-                    SearchAttributePair(attributes.PHASE, "Pending"),
+                    SearchAttributePair(attributes.PHASE, Phase.PENDING.value),
                 ]
             ),
             static_summary=f"training job {name}: {spec['total_steps']} steps",
@@ -260,7 +259,7 @@ async def wait_for(handle: WorkflowHandle[Any, Any], interval: float) -> int:
             await asyncio.sleep(interval)
     report = await build_report(handle)
     print_report(report, out)
-    return OK if report.phase == "Succeeded" else FAILED
+    return OK if report.phase == Phase.SUCCEEDED else FAILED
 
 
 async def cmd_list(args: argparse.Namespace) -> int:
@@ -312,14 +311,14 @@ async def cmd_status(args: argparse.Namespace) -> int:
             s = await query_status(handle)
             sys.stdout.write(s.model_dump_json() + "\n")
             sys.stdout.flush()
-            if s.phase in FINAL_PHASES:
+            if s.phase.is_final:
                 return OK
             await asyncio.sleep(args.interval)
     with Live(console=out, auto_refresh=False) as live:
         while True:
             s = await query_status(handle)
             live.update(status_view(s), refresh=True)
-            if s.phase in FINAL_PHASES:
+            if s.phase.is_final:
                 return OK
             await asyncio.sleep(args.interval)
 
@@ -386,7 +385,7 @@ def webhook_request(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]
 async def cmd_reclaim(args: argparse.Namespace) -> int:
     """A simulated cloud notice through the same path real ones take: the webhook."""
     s = await query_status(await job(args))
-    alive = {n.node_id for n in s.nodes if n.state in ("requested", "ready")}
+    alive = {n.node_id for n in s.nodes if n.state.is_alive}
     if args.node not in alive:
         raise CliError(
             f"{args.node} is not a live node of {args.name}; its nodes: "

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from spotrain.activities.local import job_processes
 from spotrain.workers.stack import Stack, StackConfig
-from spotrain.workflows.state import JobResult, JobStatus
+from spotrain.workflows.state import JobResult, JobStatus, Phase
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 console = Console()
@@ -59,7 +59,7 @@ class Script:
 
     def next_reclaim(self, s: JobStatus) -> tuple[str, float | None] | None:
         ranked = sorted((n for n in s.nodes if n.rank is not None), key=lambda n: n.rank or 0)
-        if s.phase != "Running" or len(ranked) < 4:
+        if s.phase != Phase.RUNNING or len(ranked) < 4:
             return None
         if not self.done and s.step >= 0.3 * self.total:
             return ranked[1].node_id or "", 20.0
@@ -80,7 +80,7 @@ def view(s: JobStatus, notes: list[str]) -> Group:
     )
     nodes = Table("node", "rank", "lifecycle", "type", "zone", "state", box=None)
     for n in s.nodes:
-        if n.state in ("requested", "ready"):
+        if n.state.is_alive:
             nodes.add_row(
                 n.node_id or "-",
                 str(n.rank if n.rank is not None else "-"),
@@ -139,7 +139,7 @@ async def run(args: argparse.Namespace) -> int:
                     )
                     reclaims.append(asyncio.create_task(stack.market.reclaim(node, notice)))
                 live.update(view(status, notes))
-                if status.phase in ("Succeeded", "Failed", "Cancelled"):
+                if status.phase.is_final:
                     break
                 await asyncio.sleep(0.5)
         result = await handle.result()
@@ -149,7 +149,7 @@ async def run(args: argparse.Namespace) -> int:
         left = stack.running_instances()
         procs = job_processes(spec["name"])
         console.print(f"left running: {len(left)} instance(s), {len(procs)} worker process(es)")
-        return 0 if result.phase == "Succeeded" and not left and not procs else 1
+        return 0 if result.phase == Phase.SUCCEEDED and not left and not procs else 1
 
 
 def parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from rich.console import Console, Group
 from rich.table import Table
 
-from spotrain.workflows.state import JobAccounts, JobResult, JobStatus, TimelineEntry
+from spotrain.workflows.state import JobAccounts, JobResult, JobStatus, Phase, TimelineEntry
 
 LIFECYCLES = ("spot", "on-demand")
 # Timeline events drawn as markers on the plot, with their colour.
@@ -44,7 +44,7 @@ class Report(BaseModel):
     """The `--json` shape of `spotrain report`."""
 
     name: str
-    phase: str
+    phase: Phase
     finished: bool
     failure: str | None
     generations: int
@@ -63,7 +63,7 @@ class Report(BaseModel):
         return cls(
             name=a.name,
             phase=a.phase,
-            finished=a.phase in ("Succeeded", "Failed", "Cancelled"),
+            finished=a.phase.is_final,
             failure=a.failure,
             reclaims=a.reclaims,
             faults=a.faults,

@@ -2,7 +2,14 @@
 workflow list --query 'SpotrainPhase="Running"'`, `spotrain list` and the reclaim webhook
 (instance id -> job) can find jobs without scanning them all."""
 
-from temporalio.common import SearchAttributeKey
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
+
+from spotrain.workflows.state import JobState
 
 JOB = SearchAttributeKey.for_keyword("SpotrainJob")
 PHASE = SearchAttributeKey.for_keyword("SpotrainPhase")
@@ -13,3 +20,29 @@ NODE_IDS = SearchAttributeKey.for_keyword_list("SpotrainNodeIds")
 COST = SearchAttributeKey.for_float("SpotrainCost")
 
 ALL = [JOB, PHASE, WORLD_SIZE, SPOT_NODES, ON_DEMAND_NODES, NODE_IDS, COST]
+
+
+def shown(s: JobState) -> tuple[Any, ...]:
+    """What the attributes show of a job, but its cost: when this changes, publish."""
+    alive = [n for n in s.nodes if n.alive]
+    return (
+        str(s.phase),
+        s.world_size,
+        sum(n.lifecycle == "spot" for n in alive),
+        sum(n.lifecycle == "on-demand" for n in alive),
+        tuple(sorted(n.node_id for n in alive if n.node_id)),
+    )
+
+
+def updates(s: JobState, now: datetime) -> list[SearchAttributeUpdate[Any]]:
+    phase, world_size, spot, on_demand, node_ids = shown(s)
+    _, cost, _ = s.costs(now)
+    return [
+        JOB.value_set(s.spec.name),
+        PHASE.value_set(phase),
+        WORLD_SIZE.value_set(world_size),
+        SPOT_NODES.value_set(spot),
+        ON_DEMAND_NODES.value_set(on_demand),
+        NODE_IDS.value_set(list(node_ids)),
+        COST.value_set(round(sum(cost.values()), 4)),
+    ]

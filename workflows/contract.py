@@ -268,3 +268,4 @@ CLEANUP_JOB = "cleanup_job"
 # Typed, non-retryable errors activities raise and the workflow acts on.
 CAPACITY_ERROR = "CapacityError"  # this pool cannot serve now: try the next, then on-demand
 CONFIG_ERROR = "ConfigError"  # bad credentials, unknown instance type: fail the job clearly
+NON_RETRYABLE_ERRORS = (CAPACITY_ERROR, CONFIG_ERROR)

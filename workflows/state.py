@@ -6,18 +6,51 @@ and so that `status` and the final `JobResult` are plain views of it.
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-from spotrain.workflows.contract import Lifecycle, PoolGrant
+from spotrain.workflows.contract import Lifecycle, PoolGrant, StopResult, WatchResult
+from spotrain.workflows.events import Event
 from spotrain.workflows.spec import JobSpec
 
-Phase = Literal[
-    "Queued", "Pending", "Running", "Resizing", "Paused", "Succeeded", "Failed", "Cancelled"
-]
-NodeState = Literal["requested", "ready", "gone", "released"]
+
+class Phase(StrEnum):
+    """Where a job stands (also the `SpotrainPhase` search attribute)."""
+
+    QUEUED = "Queued"  # waiting for its capacity pool to admit it
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RESIZING = "Resizing"
+    PAUSED = "Paused"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    CANCELLED = "Cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        """The job has ended and holds nothing."""
+        return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.CANCELLED)
+
+    @property
+    def claims_capacity(self) -> bool:
+        """A job in this phase claims nodes from its pool (a paused or ended one does not)."""
+        return not self.is_final and self != Phase.PAUSED
+
+
+class NodeState(StrEnum):
+    REQUESTED = "requested"  # ordered, launching
+    READY = "ready"
+    GONE = "gone"  # taken by the cloud or lost
+    RELEASED = "released"  # given back by the job
+
+    @property
+    def is_alive(self) -> bool:
+        """Held by the job (ordered or running): it counts, and it costs once ready."""
+        return self in (NodeState.REQUESTED, NodeState.READY)
+
 
 SEEN_EVENTS_KEPT = 2000
 TIMELINE_KEPT = 400
@@ -33,7 +66,7 @@ class NodeRecord(BaseModel):
     zone: str | None = None
     node_id: str | None = None
     address: str = ""
-    state: NodeState = "requested"
+    state: NodeState = NodeState.REQUESTED
     reason: str | None = None
     base: bool = Field(False, description="on-demand base node: never reclaimed or swapped")
     fallback: bool = Field(False, description="on-demand bought because spot was short")
@@ -45,7 +78,7 @@ class NodeRecord(BaseModel):
 
     @property
     def alive(self) -> bool:
-        return self.state in ("requested", "ready")
+        return self.state.is_alive
 
     def hours(self, now: datetime) -> float:
         """Billed hours: from running until released or gone."""
@@ -53,19 +86,6 @@ class NodeRecord(BaseModel):
             return 0.0
         end = self.ended_at or now
         return max(0.0, (end - self.ready_at).total_seconds() / 3600)
-
-
-class Event(BaseModel):
-    """Something to act on, queued by a signal, an update or the workflow's own checks."""
-
-    kind: Literal[
-        "reclaim", "rebalance", "lost", "scale_out", "scale_in", "pause", "resume", "grant"
-    ]
-    node_id: str | None = None
-    deadline: datetime | None = None
-    count: int | None = None
-    node_ids: list[str] | None = None
-    grant: PoolGrant | None = None
 
 
 class TimelineEntry(BaseModel):
@@ -78,7 +98,7 @@ class TimelineEntry(BaseModel):
 
 class JobState(BaseModel):
     spec: JobSpec
-    phase: Phase = "Pending"
+    phase: Phase = Phase.PENDING
     generation: int = 0
     members: list[int] = Field(default_factory=list, description="slots in rank order")
     running: bool = False
@@ -148,6 +168,27 @@ class JobState(BaseModel):
             return self.target
         return min(self.target, self.grant.nodes if self.grant else 0)
 
+    def note_progress(self, w: WatchResult, now: datetime) -> None:
+        """Book what a watch saw: steps, and a checkpoint (durable progress ends a run of
+        failed generations)."""
+        if w.checkpoint_step is not None and w.checkpoint_step > self.checkpoint_step:
+            self.checkpoint_step = w.checkpoint_step
+            if self.checkpoint_step > self.generation_checkpoint:
+                self.restarts = 0
+        if w.step is not None and w.step > self.step:
+            self.step = w.step
+            self.progress_at = now
+
+    def note_stopped(self, result: StopResult) -> None:
+        """The generation stopped: the job resumes from its latest checkpoint, and the steps
+        done since are lost."""
+        self.running = False
+        if result.checkpoint_step is not None:
+            self.checkpoint_step = max(self.checkpoint_step, result.checkpoint_step)
+        if self.step > self.checkpoint_step:
+            self.steps_lost += self.step - self.checkpoint_step
+        self.step = self.checkpoint_step
+
     def remember(self, event_id: str | None) -> bool:
         """False if this event id was seen before (signals carry no dedupe id of their own)."""
         if event_id is None:
@@ -197,6 +238,50 @@ class JobState(BaseModel):
             cost[n.lifecycle] += h * n.price
             all_on_demand += h * n.on_demand_price
         return hours, cost, all_on_demand
+
+    def status(self, now: datetime) -> JobStatus:
+        """The `status` query's answer: where the job stands, its nodes (those ended within
+        the hour too) and the timeline's last 20 entries."""
+        rank = {slot: i for i, slot in enumerate(self.members)} if self.running else {}
+        accounts = self.accounts(now)
+        return JobStatus(
+            **accounts,
+            generation=self.generation,
+            world_size=self.world_size,
+            target_nodes=self.target,
+            step=self.step,
+            total_steps=self.spec.total_steps,
+            checkpoint_step=self.checkpoint_step,
+            cost_so_far=round(accounts["total_cost"], 4),
+            pool=self.spec.pool.name if self.spec.pool else None,
+            pool_grant=self.grant.nodes if self.grant else None,
+            nodes=[
+                NodeView(
+                    node_id=n.node_id,
+                    slot=n.slot,
+                    lifecycle=n.lifecycle,
+                    instance_type=n.instance_type,
+                    zone=n.zone,
+                    state=n.state,
+                    reason=n.reason,
+                    price=n.price,
+                    rank=rank.get(n.slot),
+                )
+                for n in self.nodes
+                if n.alive or n.ended_at is None or n.ended_at > now - timedelta(hours=1)
+            ],
+            timeline=self.timeline[-20:],
+        )
+
+    def result(self, now: datetime) -> JobResult:
+        """What the job returns when it ends."""
+        return JobResult(
+            **self.accounts(now),
+            generations=self.generation,
+            steps_done=self.step,
+            continued_as_new=self.runs - 1,
+            timeline=self.timeline,
+        )
 
     def accounts(self, now: datetime) -> dict[str, Any]:
         """What `status` and the final result both report: outcome counts and cost."""

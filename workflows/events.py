@@ -1,0 +1,65 @@
+"""What the TrainingJob's main loop acts on: one type per kind of event, told apart by `kind`.
+
+Signals, updates and the workflow's own checks only queue events (in `JobState.inbox`, which
+continue-as-new carries); the main loop dispatches them with `match`. Every variant ignores
+fields it does not know, so an inbox carried from before these types (one model with every
+field optional, the unused ones null) still decodes into the right variant.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from spotrain.workflows.contract import PoolGrant
+
+
+class Reclaim(BaseModel):
+    """The cloud will take `node_id` at `deadline` (None: now or unknown). A rebalance is an
+    early warning the job acts on only if its policy says so."""
+
+    kind: Literal["reclaim", "rebalance"] = "reclaim"
+    node_id: str
+    deadline: datetime | None = None
+
+
+class Lost(BaseModel):
+    """`node_id` is already gone (a webhook's notice or the capacity check's finding)."""
+
+    kind: Literal["lost"] = "lost"
+    node_id: str
+
+
+class ScaleOut(BaseModel):
+    kind: Literal["scale_out"] = "scale_out"
+    count: int
+
+
+class ScaleIn(BaseModel):
+    """Remove `count` nodes (highest rank first) or exactly the named ones."""
+
+    kind: Literal["scale_in"] = "scale_in"
+    count: int | None = None
+    node_ids: list[str] | None = None
+
+
+class Pause(BaseModel):
+    kind: Literal["pause"] = "pause"
+
+
+class Resume(BaseModel):
+    kind: Literal["resume"] = "resume"
+
+
+class Grant(BaseModel):
+    """The job's pool says how many nodes (and of them on-demand) it may hold now."""
+
+    kind: Literal["grant"] = "grant"
+    grant: PoolGrant
+
+
+Event = Annotated[
+    Reclaim | Lost | ScaleOut | ScaleIn | Pause | Resume | Grant, Field(discriminator="kind")
+]

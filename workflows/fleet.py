@@ -1,0 +1,208 @@
+"""A TrainingJob's nodes, as its workflow buys, launches, checks and releases them.
+
+Sequencing only, like the workflow it serves: what to order comes from `job_planner`, and
+every call to the node provider goes through `calls`. Each launch runs as its own task, so a
+slow or failing pool never holds up the main loop; the fleet books every outcome in the job's
+state and says so through `on_change`. Call from workflow code only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, is_cancelled_exception
+
+with workflow.unsafe.imports_passed_through():
+    from spotrain.workflows import calls, job_planner
+    from spotrain.workflows.contract import (
+        CAPACITY_ERROR,
+        CONFIG_ERROR,
+        DescribeRequest,
+        LaunchRequest,
+        Lifecycle,
+        NodeInfo,
+        Offer,
+        ReleaseRequest,
+    )
+    from spotrain.workflows.job_planner import Order, Pool
+    from spotrain.workflows.state import JobState, NodeRecord, NodeState
+
+
+def unless_cancelled(err: ActivityError) -> None:
+    """For code that shrugs off an activity's failure: never shrug off the job's cancellation
+    (a workflow cancelled while it awaits an activity sees that activity fail as cancelled)."""
+    if is_cancelled_exception(err):
+        raise asyncio.CancelledError() from err
+
+
+class Fleet:
+    def __init__(self, state: JobState, on_change: Callable[[], None]) -> None:
+        self.s = state
+        self.on_change = on_change
+        self.launches: dict[int, asyncio.Task[None]] = {}
+        self.fatal: str | None = None  # a launch failed for good (credentials, bad type)
+
+    async def reconcile(self, *, spot_only: bool = False) -> None:
+        """Order nodes until the job holds what it may (base on-demand first, then spot, then
+        on-demand fallback for the nodes it is owed)."""
+        s = self.s
+        short = job_planner.shortfall(s)
+        if short <= 0:
+            return
+        base = job_planner.base_orders(s, short)
+        for order in base:
+            self._order(order)
+        short -= len(base)
+        if short <= 0:
+            return
+        held = job_planner.spot_held(s)
+        offers = await self.find_offers()
+        plan = job_planner.spot_orders(s, offers, short, held, spot_only=spot_only)
+        for order in plan.orders:
+            self._order(order)
+        s.owed = plan.owed
+        if plan.waiting:
+            s.record(workflow.now(), "waiting for capacity", f"{plan.waiting} node(s) short")
+
+    def _order(self, order: Order) -> None:
+        s = self.s
+        s.next_slot = max(s.next_slot, len(s.nodes))  # (states carried from before next_slot)
+        node = NodeRecord(
+            slot=s.next_slot,
+            lifecycle=order.lifecycle,
+            instance_type=order.instance_type,
+            zone=order.zone,
+            base=order.base,
+            fallback=order.fallback,
+            procs=order.procs,
+            price=0.0,
+            on_demand_price=s.spec.instance_type(order.instance_type).on_demand_price,
+        )
+        s.nodes.append(node)
+        s.next_slot += 1
+        task = asyncio.create_task(self._launch(node, order.pools, order.on_demand_ok))
+        self.launches[node.slot] = task
+        task.add_done_callback(lambda _: self.launches.pop(node.slot, None))
+
+    async def _launch(self, node: NodeRecord, pools: list[Pool], on_demand_ok: bool) -> None:
+        """Try each spot pool in turn, then on-demand if allowed; capacity errors move on."""
+        s = self.s
+        fallback_type = None
+        if on_demand_ok and node.lifecycle == "spot":  # sized to the share it stands in for
+            fallback_type = job_planner.on_demand_type(s.spec, job_planner.next_need(s)[0])
+        tries = job_planner.launch_tries(node.lifecycle, node.instance_type, pools, fallback_type)
+        for i, (itype, zone, lifecycle) in enumerate(tries):
+            node.instance_type, node.zone, node.lifecycle = itype, zone, lifecycle
+            node.fallback = node.fallback or (lifecycle == "on-demand" and not node.base)
+            try:
+                info = await calls.launch_node(
+                    self._launch_request(node, tries[i + 1 :]),
+                    f"launch {lifecycle} {itype} in {zone or 'any zone'}, slot {node.slot}",
+                )
+            except ActivityError as err:
+                node.attempt += 1
+                if calls.error_type(err) == CAPACITY_ERROR:
+                    continue
+                s.record(workflow.now(), "launch failed", f"slot {node.slot}: {err.cause}")
+                if calls.error_type(err) == CONFIG_ERROR:  # will not heal by retrying: say so
+                    self.fatal = f"cannot launch {lifecycle} {itype}: {err.cause}"
+                break
+            if not node.alive:  # released while launching (cancel, pause, scale in)
+                await self.release_ids([info.node_id], "no longer needed")
+                return
+            self._ready(node, info)
+            return
+        node.state, node.reason, node.ended_at = NodeState.GONE, "no capacity", workflow.now()
+        self.on_change()
+
+    def _launch_request(
+        self, node: NodeRecord, rest: list[tuple[str, str | None, Lifecycle]]
+    ) -> LaunchRequest:
+        s = self.s
+        spot = node.lifecycle == "spot"
+        return LaunchRequest(
+            job=s.spec.name,
+            slot=node.slot,
+            attempt=node.attempt,
+            generation=s.generation,
+            lifecycle=node.lifecycle,
+            instance_type=node.instance_type,
+            zone=node.zone,
+            max_price=s.spec.spot.max_price if spot else None,
+            **self._regions(),
+            fallback_pools=[(t, z) for t, z, lc in rest if lc == "spot" and z] if spot else [],
+        )
+
+    def _ready(self, node: NodeRecord, info: NodeInfo) -> None:
+        s = self.s
+        # (an EC2 Fleet may have chosen another pool than the first asked for)
+        node.node_id, node.address, node.zone = info.node_id, info.address, info.zone
+        node.instance_type = info.instance_type
+        node.state = NodeState.READY
+        node.ready_at = workflow.now()
+        node.price = job_planner.node_price(s, node.lifecycle, info.instance_type, info.zone)
+        s.record(
+            workflow.now(),
+            "node ready",
+            f"{node.lifecycle} {info.instance_type} {info.zone} {info.node_id}",
+        )
+        self.on_change()
+
+    async def settle(self) -> None:
+        """Let in-flight launches finish so that every node they made is known (and released)."""
+        await workflow.wait_condition(lambda: not self.launches)
+
+    async def release(
+        self, nodes: list[NodeRecord], reason: str, state: NodeState = NodeState.RELEASED
+    ) -> None:
+        s = self.s
+        now = workflow.now()
+        for n in nodes:
+            n.state, n.reason = state, reason
+            n.ended_at = n.ended_at or now
+            s.record(
+                now, f"node {state}", f"{n.lifecycle} {n.node_id or f'slot {n.slot}'}: {reason}"
+            )
+        await self.release_ids([n.node_id for n in nodes if n.node_id], reason)
+        self.on_change()
+
+    async def release_ids(self, ids: list[str], reason: str) -> None:
+        if ids:
+            await calls.release_nodes(
+                ReleaseRequest(job=self.s.spec.name, node_ids=ids, **self._regions()),
+                f"release {', '.join(ids)}: {reason}",
+            )
+
+    def _regions(self) -> dict[str, Any]:
+        """Where the provider looks for the job's nodes: its home region and more_regions."""
+        spot = self.s.spec.spot
+        return {"region": spot.region, "more_regions": spot.more_regions}
+
+    async def find_offers(self) -> list[Offer]:
+        s = self.s
+        if not s.spec.spot.enabled:
+            return []
+        try:
+            offers = await calls.find_offers(s.spec.spot)
+        except ActivityError as err:
+            unless_cancelled(err)
+            return []  # a flapping cloud API means no new orders this round, nothing more
+        s.spot_prices |= {f"{o.instance_type}@{o.zone}": o.price for o in offers}
+        return offers
+
+    async def describe(self, nodes: list[NodeRecord] | None) -> list[NodeInfo]:
+        """The provider's view of `nodes`, or of every node tagged with the job (None)."""
+        ids = [] if nodes is None else [n.node_id for n in nodes if n.node_id]
+        if nodes is not None and not ids:
+            return []
+        try:
+            return await calls.describe_nodes(
+                DescribeRequest(job=self.s.spec.name, node_ids=ids, **self._regions()),
+                f"check {len(ids)} node(s)" if ids else "find every node of the job",
+            )
+        except ActivityError as err:
+            unless_cancelled(err)
+            return []  # only a node that is really gone changes membership, not an API error

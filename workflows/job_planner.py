@@ -1,0 +1,555 @@
+"""Every decision over one job's state, as pure functions: the state and inputs in, a plan out.
+
+The TrainingJob workflow waits, calls activities and applies these plans; it decides nothing
+itself. No I/O, no clocks (the caller passes `now`), no randomness, no mutation of the state
+given: so each rule is unit- and property-tested without a Temporal server. The primitives
+they build on (allowed sizes, member order, spot pool ranking, GPU packing) are in `planner`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Literal
+
+from spotrain.workflows import planner
+from spotrain.workflows.contract import (
+    GenerationPlan,
+    Lifecycle,
+    Member,
+    Offer,
+    PoolGrant,
+    PoolReport,
+    ScaleIn,
+    WatchResult,
+)
+from spotrain.workflows.events import Event, Lost, Reclaim
+from spotrain.workflows.spec import JobSpec
+from spotrain.workflows.state import JobState, NodeRecord, NodeState, Phase
+
+Pool = tuple[str, str]  # (instance type, zone)
+
+# --- the next node's shape ---------------------------------------------------------------------
+
+
+def need(spec: JobSpec, held_procs: Iterable[int]) -> tuple[int, int]:
+    """(GPUs, processes) of the next node ordered, given the processes of the live nodes.
+    With `total_gpus`, the first share of the packing no live node holds yet (15 over
+    {10, 8}: 10, then 5); a node beyond the packing (user scale-out) gets the largest shape."""
+    if spec.total_gpus is None:
+        return spec.gpus_per_node or 0, spec.gpus_per_node or spec.procs_per_node
+    shapes = [t.gpus for t in spec.spot.instance_types]
+    held = Counter(held_procs)
+    for _, used in planner.pack_gpus(spec.total_gpus, shapes):
+        if held[used]:
+            held[used] -= 1
+        else:
+            return used, used
+    return max(shapes), max(shapes)
+
+
+def next_need(state: JobState) -> tuple[int, int]:
+    return need(state.spec, (n.procs for n in state.nodes if n.alive))
+
+
+def on_demand_type(spec: JobSpec, gpus: int) -> str:
+    """An on-demand node sized to the share it stands in for: the cheapest type with `gpus`."""
+    fits = [t for t in spec.spot.instance_types if t.gpus >= gpus]
+    return min(fits, key=lambda t: t.on_demand_price).name
+
+
+def on_demand_room(state: JobState) -> int:
+    """How many more on-demand fallback nodes the policy (and the pool's grant) allow."""
+    spec = state.spec
+    if not spec.on_demand.fallback:
+        return 0
+    cap = spec.on_demand.max_nodes
+    used = sum(1 for n in state.nodes if n.alive and n.lifecycle == "on-demand" and not n.base)
+    room = 10**6 if cap is None else max(0, cap - spec.on_demand.base_nodes - used)
+    if spec.pool is not None:  # the pool's on-demand allowance counts the base too
+        used_all = sum(1 for n in state.nodes if n.alive and n.lifecycle == "on-demand")
+        room = min(room, max(0, (state.grant.on_demand if state.grant else 0) - used_all))
+    return room
+
+
+def node_price(state: JobState, lifecycle: Lifecycle, instance_type: str, zone: str) -> float:
+    """USD/h of a node just bought: the spec's spot price, else the market's, else on-demand."""
+    spec_type = state.spec.instance_type(instance_type)
+    if lifecycle == "on-demand":
+        return spec_type.on_demand_price
+    return (
+        spec_type.spot_price
+        or state.spot_prices.get(f"{instance_type}@{zone}")
+        or spec_type.on_demand_price
+    )
+
+
+# --- ordering nodes ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Order:
+    """One node to buy: spot from `pools` (best first), else on-demand `instance_type`."""
+
+    lifecycle: Lifecycle
+    instance_type: str
+    procs: int
+    pools: list[Pool] = field(default_factory=list)
+    base: bool = False
+    fallback: bool = False
+    on_demand_ok: bool = False  # a spot order may fall back to on-demand if every pool fails
+
+    @property
+    def zone(self) -> str | None:
+        return self.pools[0][1] if self.pools else None
+
+
+@dataclass(frozen=True)
+class SpotOrders:
+    orders: list[Order]
+    owed: int  # nodes still owed an on-demand fallback afterwards
+    waiting: int  # nodes it could not order now (0: none)
+
+
+def shortfall(state: JobState) -> int:
+    """Nodes to order now so the job holds what it is allowed (0 while paused)."""
+    if state.phase == Phase.PAUSED:
+        return 0
+    return max(0, state.allowed - sum(1 for n in state.nodes if n.alive))
+
+
+def base_orders(state: JobState, short: int) -> list[Order]:
+    """The on-demand base nodes missing, ordered before anything else."""
+    alive = [n for n in state.nodes if n.alive]
+    missing = max(0, state.spec.on_demand.base_nodes - sum(n.base for n in alive))
+    procs = [n.procs for n in alive]
+    orders = []
+    for _ in range(min(missing, short)):
+        gpus, p = need(state.spec, procs)
+        orders.append(Order("on-demand", on_demand_type(state.spec, gpus), p, base=True))
+        procs.append(p)
+    return orders
+
+
+def spot_held(state: JobState) -> Counter[Pool]:
+    """The job's live spot nodes per (type, zone) pool: new ones spread over pools."""
+    return Counter(
+        (n.instance_type, n.zone or "") for n in state.nodes if n.alive and n.lifecycle == "spot"
+    )
+
+
+def spot_orders(
+    state: JobState, offers: list[Offer], short: int, held: Counter[Pool], *, spot_only: bool
+) -> SpotOrders:
+    """`short` more nodes: spot in the snuggest pool that fits each node's share, spread over
+    pools; failing that, on-demand for the nodes the job is owed, within the on-demand room
+    (never with `spot_only`, the opportunistic growth); else wait for capacity."""
+    gpus = {t.name: t.gpus for t in state.spec.spot.instance_types}
+    held = Counter(held)
+    procs = [n.procs for n in state.nodes if n.alive]
+    room = on_demand_room(state)
+    owed = state.owed
+    pools = [(o.instance_type, o.zone) for o in offers]
+    orders: list[Order] = []
+    for i in range(short):
+        share, p = need(state.spec, procs)
+        od_ok = not spot_only and owed > 0 and room > 0
+        ranked = planner.spot_pools(pools, gpus, share, held)
+        if ranked:
+            held[ranked[0]] += 1
+            orders.append(Order("spot", ranked[0][0], p, pools=ranked, on_demand_ok=od_ok))
+        elif od_ok:
+            orders.append(Order("on-demand", on_demand_type(state.spec, share), p, fallback=True))
+            room -= 1
+        else:
+            return SpotOrders(orders, owed, short - i)
+        procs.append(p)
+        owed = max(0, owed - 1)
+    return SpotOrders(orders, owed, 0)
+
+
+def launch_tries(
+    lifecycle: Lifecycle, instance_type: str, pools: list[Pool], fallback_type: str | None
+) -> list[tuple[str, str | None, Lifecycle]]:
+    """(type, zone, lifecycle) to try in turn for one node: each spot pool, then on-demand of
+    `fallback_type` if given; an on-demand order tries only its own type."""
+    if lifecycle == "on-demand":
+        return [(instance_type, None, "on-demand")]
+    tries: list[tuple[str, str | None, Lifecycle]] = [(t, z, "spot") for t, z in pools]
+    if fallback_type is not None:
+        tries.append((fallback_type, None, "on-demand"))
+    return tries
+
+
+# --- starting a generation ---------------------------------------------------------------------
+
+
+def sizes(spec: JobSpec) -> list[int]:
+    e = spec.elastic
+    return planner.allowed_sizes(e.min_nodes, e.max_nodes, e.increment_step, e.discrete_sizes)
+
+
+@dataclass(frozen=True)
+class NextGeneration:
+    """Start `members` now, or (None) wait until `wake` (None: until something happens)."""
+
+    members: list[int] | None
+    hold_until: datetime | None  # the job's hold afterwards
+    wake: datetime | None = None
+    why: str = ""
+    too_few: bool = False  # not even the smallest allowed size is ready
+
+
+def next_generation(state: JobState, now: datetime, *, launching: bool) -> NextGeneration:
+    """The largest allowed membership the ready nodes fill, unless it is short of what the job
+    may hold and a hold is on: the first gang start waits `scaling_timeout_s` for the other
+    nodes ordered, and after a loss `faulty_scale_down_timeout_s` for a replacement."""
+    ready = [n for n in state.nodes if n.state == NodeState.READY]
+    size = planner.best_size(len(ready), sizes(state.spec), cap=min(state.allowed, state.ceiling))
+    hold = state.hold_until
+    if size is not None and size < state.allowed:
+        if hold is None and state.generation == 0 and launching:
+            hold = now + timedelta(seconds=state.spec.elastic.scaling_timeout_s)
+        if hold is not None and now < hold:
+            why = (
+                "gang start: the other nodes ordered may still arrive"
+                if state.generation == 0
+                else "a replacement may still arrive (faulty_scale_down_timeout_s)"
+            )
+            return NextGeneration(None, hold, min(hold, state.next_check or hold), why)
+    if size is None:
+        return NextGeneration(
+            None, hold, state.next_check, "too few nodes ready: next capacity check", too_few=True
+        )
+    candidates = [planner.Candidate(n.slot, n.lifecycle, n.base) for n in ready]
+    return NextGeneration(planner.choose_members(state.members, candidates, size), None)
+
+
+def generation_plan(state: JobState) -> GenerationPlan:
+    """What the runtime starts for the state's (new) generation: its members in rank order,
+    and the `scale_config` entry of its world size."""
+    spec, nodes = state.spec, state.member_nodes
+    world = sum(n.procs for n in nodes)
+    return GenerationPlan(
+        job=spec.name,
+        generation=state.generation,
+        members=[Member(node_id=n.node_id or "", address=n.address, procs=n.procs) for n in nodes],
+        command=spec.command,
+        env=spec.env,
+        image=spec.image,
+        job_type=spec.type,
+        checkpoint=spec.checkpoint,
+        scale_config={str(k): v for k, v in spec.scale_config.get(world, {}).items()},
+        global_batch_size=spec.global_batch_size,
+        total_steps=spec.total_steps,
+        gpus_per_proc=1 if (spec.gpus_per_node or spec.total_gpus) else 0,
+        graceful_shutdown_s=spec.elastic.graceful_shutdown_timeout_s,
+    )
+
+
+def swap_back(state: JobState) -> tuple[list[NodeRecord], int]:
+    """Return to spot: on-demand fallback nodes left out of the new generation are released,
+    and the target drops by as many. ([] and the same target: nothing to give back.)"""
+    spare = [
+        n
+        for n in state.nodes
+        if n.state == NodeState.READY and n.fallback and n.slot not in state.members
+    ]
+    if not spare or not state.spec.on_demand.return_to_spot:
+        return [], state.target
+    return spare, max(state.spec.elastic.min_nodes, state.target - len(spare))
+
+
+# --- a running generation ----------------------------------------------------------------------
+
+Verdict = Literal["completed", "fault", "carry on"]
+
+
+def watch_verdict(state: JobState, w: WatchResult, now: datetime) -> tuple[Verdict, str]:
+    """What a watch's answer means (after its progress is booked): done, a fault (a rank
+    failed, or no progress for `stall_timeout_s`) and why, or nothing to do."""
+    if w.outcome == "completed":
+        return "completed", ""
+    if w.outcome == "failed":
+        return "fault", w.detail or f"exit codes {w.exit_codes}"
+    stall = state.spec.elastic.stall_timeout_s
+    if state.progress_at and (now - state.progress_at).total_seconds() > stall:
+        return "fault", f"stalled: no progress for {stall:.0f}s at step {state.step}"
+    return "carry on", ""
+
+
+def restarts_exhausted(state: JobState, detail: str) -> str | None:
+    """Why the job fails, once more generations in a row failed than `max_restarts` allows."""
+    limit = state.spec.elastic.max_restarts
+    if state.restarts <= limit:
+        return None
+    return (
+        f"{state.restarts} failed generations in a row (max_restarts={limit}); last fault: {detail}"
+    )
+
+
+def growth_plan(state: JobState) -> list[int] | None:
+    """The bigger (or, returning to spot, all-spot) membership ready nodes allow now, if any."""
+    if not state.running:
+        return None
+    ready = [n for n in state.nodes if n.state == NodeState.READY]
+    size = planner.best_size(len(ready), sizes(state.spec), cap=state.ceiling)
+    if size is None or size < len(state.members):
+        return None
+    candidates = [planner.Candidate(n.slot, n.lifecycle, n.base) for n in ready]
+    plan = planner.choose_members(state.members, candidates, size)
+    swaps_back = state.spec.on_demand.return_to_spot and set(plan) != set(state.members)
+    return plan if size > len(state.members) or swaps_back else None
+
+
+def growth_since(state: JobState, now: datetime) -> datetime | None:
+    """The growth debounce's start, once nodes changed: `now` if growth just became possible,
+    else as it was."""
+    if state.grow_since is None and growth_plan(state) is not None:
+        return now
+    return state.grow_since
+
+
+def growth_timer(state: JobState) -> tuple[datetime | None, datetime | None]:
+    """(debounce start, when to grow): growth waits `scaling_timeout_s` after it became
+    possible; both are None once it is no longer possible (the next chance starts afresh)."""
+    if state.grow_since is None or growth_plan(state) is None:
+        return None, None
+    return state.grow_since, state.grow_since + timedelta(
+        seconds=state.spec.elastic.scaling_timeout_s
+    )
+
+
+# --- events ------------------------------------------------------------------------------------
+
+ReclaimAction = Literal["ignore", "ignore rebalance", "gone", "lost", "resize"]
+
+
+@dataclass(frozen=True)
+class ReclaimPlan:
+    action: ReclaimAction
+    grace: float = 0.0
+    leaving: list[NodeRecord] = field(default_factory=list)  # members leaving in one resize
+    absorbed: list[Event] = field(default_factory=list)  # queued events this resize covers
+
+
+def reclaim_plan(state: JobState, event: Reclaim, now: datetime) -> ReclaimPlan:
+    """A notice: ignore it (unknown or gone node, or an unwanted rebalance), book a node that
+    does not train as gone, treat one with no time left as lost, or checkpoint within the
+    notice and shrink, taking every member already reclaimed or lost with it (one resize)."""
+    node = state.node_by_id(event.node_id)
+    if node is None or not node.alive:
+        return ReclaimPlan("ignore")
+    if event.kind == "rebalance" and not state.spec.elastic.act_on_rebalance:
+        return ReclaimPlan("ignore rebalance")
+    timeout = state.spec.elastic.graceful_shutdown_timeout_s
+    left = None if event.deadline is None else (event.deadline - now).total_seconds()
+    grace = planner.grace_for_notice(
+        timeout if left is None else left, timeout, margin=0 if left is None else 5
+    )
+    if node.slot not in state.members or not state.running:
+        return ReclaimPlan("gone", grace)
+    if grace <= 0:
+        return ReclaimPlan("lost", grace)
+    leaving, absorbed = [node], []
+    for other in state.inbox:
+        match other:
+            case Reclaim(kind="reclaim", node_id=node_id) | Lost(node_id=node_id):
+                n = state.node_by_id(node_id)
+            case _:
+                continue
+        if n is not None and n.alive and n.slot in state.members and n not in leaving:
+            leaving.append(n)
+            absorbed.append(other)
+    return ReclaimPlan("resize", grace, leaving, absorbed)
+
+
+@dataclass(frozen=True)
+class AfterLoss:
+    reclaim: bool  # counts as a reclaim survived
+    owe: bool  # a replacement is owed (replace policy, or a base node)
+    target: int
+
+
+def after_loss(state: JobState, node: NodeRecord, reason: str) -> AfterLoss:
+    """A lost node is replaced (`reclaim_policy: replace`, and always a base node), or the
+    job's target shrinks by one, never below `min_nodes` (`drop`)."""
+    owe = state.spec.elastic.reclaim_policy == "replace" or node.base
+    return AfterLoss(
+        reclaim=reason == "reclaimed" or node.lifecycle == "spot",
+        owe=owe,
+        target=state.target if owe else max(state.spec.elastic.min_nodes, state.target - 1),
+    )
+
+
+def replacement_hold(state: JobState, now: datetime) -> datetime | None:
+    """After a loss, wait up to `faulty_scale_down_timeout_s` for a replacement before
+    restarting smaller (`replace`); with `drop`, the hold stays as it was."""
+    if state.spec.elastic.reclaim_policy != "replace":
+        return state.hold_until
+    return now + timedelta(seconds=state.spec.elastic.faulty_scale_down_timeout_s)
+
+
+def removal_order(state: JobState) -> list[NodeRecord]:
+    """Live nodes, the first to remove first: nodes outside the generation, then the highest
+    ranks."""
+    in_rank_order = [n for n in state.member_nodes if n.alive] + [
+        n for n in state.nodes if n.alive and n.slot not in state.members
+    ]
+    return list(reversed(in_rank_order))
+
+
+@dataclass(frozen=True)
+class ScaleDown:
+    victims: list[NodeRecord]
+    target: int
+
+    @property
+    def names(self) -> list[str]:
+        return [n.node_id or f"slot-{n.slot}" for n in self.victims]
+
+
+def scale_in_plan(state: JobState, count: int | None, node_ids: list[str] | None) -> ScaleDown:
+    """The nodes a scale-in removes (the named ones, or the `count` highest ranks) and the
+    target after it, never below `min_nodes`."""
+    names = {n.node_id or f"slot-{n.slot}": n for n in reversed(removal_order(state))}
+    victims = [names[v] for v in planner.scale_in_victims(list(names), count, node_ids)]
+    return ScaleDown(victims, max(state.spec.elastic.min_nodes, state.target - len(victims)))
+
+
+def scale_out_error(state: JobState, count: int) -> str | None:
+    limit = state.spec.elastic.max_nodes
+    if state.target + count > limit:
+        return f"cannot scale out to {state.target + count} nodes: max_nodes is {limit}"
+    return None
+
+
+def scale_in_error(state: JobState, req: ScaleIn) -> str | None:
+    if (req.count is None) == (req.node_ids is None):
+        return "give either count or node_ids"
+    alive = {n.node_id for n in state.nodes if n.alive and n.node_id}
+    unknown = sorted(set(req.node_ids or []) - alive)
+    if unknown:
+        return f"unknown or gone node(s): {', '.join(unknown)}"
+    removing = req.count or len(req.node_ids or [])
+    if state.target - removing < state.spec.elastic.min_nodes:
+        return (
+            f"cannot scale in to {state.target - removing} nodes: "
+            f"min_nodes is {state.spec.elastic.min_nodes}"
+        )
+    return None
+
+
+# --- periodic capacity checks ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CapacityCheck:
+    grow: bool  # opportunistic growth back to the ceiling
+    swap: int  # on-demand fallback nodes to swap back to spot (0: none)
+
+    @property
+    def wants_spot(self) -> bool:
+        return self.grow or self.swap > 0
+
+
+def capacity_check(state: JobState, *, launching: bool) -> CapacityCheck | None:
+    """What a capacity check looks for on the spot market: room to grow (`opportunistic`),
+    and spot to replace fallback nodes with (`return_to_spot`, once no launch is in flight
+    and no spare spot node is already waiting to take over). None: no orders at all (paused,
+    or spot disabled)."""
+    spec = state.spec
+    if state.phase == Phase.PAUSED or not spec.spot.enabled:
+        return None
+    fallbacks = sum(1 for n in state.nodes if n.alive and n.fallback)
+    spare_spot = any(
+        n.state == NodeState.READY and n.lifecycle == "spot" and n.slot not in state.members
+        for n in state.nodes
+    )
+    swap = spec.on_demand.return_to_spot and not launching and not spare_spot
+    return CapacityCheck(
+        grow=spec.elastic.opportunistic and state.target < state.ceiling,
+        swap=fallbacks if swap else 0,
+    )
+
+
+def target_with_spot(state: JobState, check: CapacityCheck) -> int:
+    """The target once spot offers are found: the ceiling for growth, plus one spot node per
+    fallback node to swap (each leaves once the spot one has taken its place)."""
+    target = state.ceiling if check.grow else state.target
+    if check.swap:
+        target = min(state.ceiling + check.swap, target + check.swap)
+    return target
+
+
+# --- capacity pool -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GrantPlan:
+    """How a job applies its pool's grant."""
+
+    target: int
+    preempt: bool  # below its min: checkpoint, release everything, queue
+    admit: bool  # it was queued and may now run: order `owed` nodes
+    owed: int
+    victims: list[NodeRecord]  # nodes to give back (checkpointing first if they train)
+
+
+def grant_plan(state: JobState, grant: PoolGrant) -> GrantPlan:
+    """Shrink to the grant, on-demand nodes first when over the on-demand allowance, then the
+    highest ranks, never the on-demand base; pause whole below the min; or order more."""
+    target = max(state.target, min(state.ceiling, grant.nodes))
+    allowed = target if state.spec.pool is None else min(target, grant.nodes)
+    alive = [n for n in state.nodes if n.alive]
+    extra_on_demand = max(0, sum(n.lifecycle == "on-demand" for n in alive) - grant.on_demand)
+    removable = [n for n in removal_order(state) if not n.base]
+    victims = [n for n in removable if n.lifecycle == "on-demand"][:extra_on_demand]
+    victims += [n for n in removable if n not in victims][
+        : max(0, len(alive) - grant.nodes - len(victims))
+    ]
+    return GrantPlan(
+        target=target,
+        preempt=grant.nodes < state.spec.elastic.min_nodes,
+        admit=state.phase == Phase.QUEUED,
+        owed=allowed - state.spec.on_demand.base_nodes,
+        victims=victims,
+    )
+
+
+def pool_report(state: JobState) -> PoolReport:
+    """The job's claim and holdings, as its pool sees them (`seq` is numbered on sending)."""
+    spec, pool = state.spec, state.spec.pool
+    assert pool is not None
+    types = spec.spot.instance_types
+    alive = [n for n in state.nodes if n.alive]
+    on_demand_cap = spec.elastic.max_nodes if spec.on_demand.fallback else 0
+    if spec.on_demand.max_nodes is not None:
+        on_demand_cap = min(on_demand_cap, spec.on_demand.max_nodes)
+    return PoolReport(
+        job=spec.name,
+        seq=0,
+        claiming=state.phase.claims_capacity,
+        priority=spec.priority,
+        team=pool.team,
+        preemptible=pool.preemptible,
+        min_nodes=max(spec.elastic.min_nodes, spec.on_demand.base_nodes),
+        max_nodes=state.ceiling,
+        gpus_per_node=next_need(state)[0]
+        if spec.total_gpus is None
+        else max(t.gpus for t in types),
+        spot_price=max(t.spot_price or t.on_demand_price for t in types),
+        on_demand_price=max(t.on_demand_price for t in types),
+        min_on_demand=spec.on_demand.base_nodes,
+        max_on_demand=max(spec.on_demand.base_nodes, on_demand_cap),
+        all_on_demand=not spec.spot.enabled,
+        progress=math.floor(20 * state.step / spec.total_steps) / 20,
+        holding=len(alive),
+        holding_on_demand=sum(n.lifecycle == "on-demand" for n in alive),
+        allowance=state.grant.nodes if state.grant else 0,
+        allowance_on_demand=state.grant.on_demand if state.grant else 0,
+        grant_seq=state.grant.seq if state.grant else 0,
+    )
