@@ -38,7 +38,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from spotrain.activities.notice import elastic_event_raised
-from spotrain.activities.store import JobStore
+from spotrain.activities.store import JobStore, checked_store
 from spotrain.activities.worker_env import rank_env
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -219,6 +219,7 @@ class KubeRuntime:
                 type=contract.CONFIG_ERROR,
                 non_retryable=True,
             )
+        store = checked_store(plan.checkpoint, time.time())
         ns = self._ns(plan.job)
         deadline = time.monotonic() + self.gang_timeout_s
         hosts = self._node_hostnames([m.node_id for m in plan.members], deadline)
@@ -252,7 +253,7 @@ class KubeRuntime:
                 f"gang start of {plan.job} generation {plan.generation} rolled back: {err}",
                 type=GANG_ERROR,
             ) from None
-        JobStore(plan.checkpoint).mark_started(plan.generation, time.time())  # the gang goes
+        store.mark_started(plan.generation, time.time())  # the gang goes
 
     @activity.defn(name=contract.STOP_GENERATION)
     @_config_errors

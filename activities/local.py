@@ -35,7 +35,7 @@ from temporalio import activity
 
 from spotrain.activities import worker_env
 from spotrain.activities.notice import elastic_event_raised
-from spotrain.activities.store import JobStore
+from spotrain.activities.store import JobStore, checked_store
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
@@ -201,7 +201,8 @@ class LocalRuntime:
         gdir.mkdir(parents=True, exist_ok=True)
         port = self._master_port(gdir)
         control = str(self.control_file(plan.job, plan.generation))
-        JobStore(plan.checkpoint).mark_started(plan.generation, time.time())  # one machine: all up
+        store = checked_store(plan.checkpoint, time.time())
+        store.mark_started(plan.generation, time.time())  # one machine: all up
         rank = 0
         for node_index, member in enumerate(plan.members):
             for local_rank in range(member.procs):
