@@ -578,10 +578,11 @@ def _absent(delete: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
             raise
 
 
-def _steps(store: JobStore, req: WatchRequest) -> dict[str, int | None]:
+def _steps(store: JobStore, req: WatchRequest) -> dict[str, Any]:
     progress = store.progress(req.generation)
     latest = store.latest_checkpoint()
     return {
         "step": progress["step"] if progress else None,
         "checkpoint_step": latest["step"] if latest else None,
+        "checkpoints": store.checkpoint_stats(),
     }

@@ -355,6 +355,7 @@ class LocalRuntime:
             step=progress["step"] if progress else None,
             checkpoint_step=latest["step"] if latest else None,
             exit_codes=codes,
+            checkpoints=store.checkpoint_stats(),
         )
 
     @staticmethod

@@ -221,6 +221,13 @@ class JobStore:
         records = (self.store.get_json(k) for k in self.store.list_keys("ckpt/skipped/"))
         return sorted((r for r in records if r), key=lambda r: r["step"])
 
+    def checkpoint_stats(self) -> Any:
+        """The records above as `CheckpointStats` (for the runtimes' watch), or None."""
+        from spotrain.workflows.checkpoints import summarize  # pydantic: not in training code
+
+        records, skipped = self.checkpoints(), self.skipped_checkpoints()
+        return summarize(records, skipped) if records or skipped else None
+
     def checkpoint_path(self, step: int) -> str:
         """Where the checkpoint at `step` lives: a file path or an s3:// URI (for DCP)."""
         parsed = urlparse(self.uri)

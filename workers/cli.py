@@ -46,6 +46,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from spotrain.workers.connect import TASK_QUEUE, connect
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
 from spotrain.workflows import attributes
+from spotrain.workflows.checkpoints import describe
 from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut
 from spotrain.workflows.pool import POOL_ID_PREFIX, PoolConfig, PoolStatus, pool_workflow_id
 from spotrain.workflows.spec import SpecError, describe_errors, parse_spec
@@ -167,6 +168,8 @@ def status_view(s: JobStatus) -> Group:
         f"reclaims {s.reclaims}   faults {s.faults}   resizes {s.resizes}   "
         f"steps lost {s.steps_lost}" + (f"\n[red]{s.failure}[/]" if s.failure else "")
     )
+    if s.checkpoints:
+        head += "\n" + describe(s.checkpoints)
     nodes = Table("rank", "node", "lifecycle", "type", "zone", "state", "$/h", "reason")
     for n in sorted(s.nodes, key=lambda n: (n.rank is None, n.rank or 0, n.slot)):
         nodes.add_row(

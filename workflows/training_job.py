@@ -28,6 +28,7 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from spotrain.workflows import attributes, planner
+    from spotrain.workflows.checkpoints import CheckpointStats
     from spotrain.workflows.contract import (
         CAPACITY_ERROR,
         CLEANUP_JOB,
@@ -407,6 +408,20 @@ class TrainingJob:
             summary=f"watch generation {s.generation} ({s.world_size} ranks)",
         )
 
+    def _on_checkpoints(self, stats: CheckpointStats) -> None:
+        """New checkpoint stats: say (timeline, log) when one was skipped as unloadable, and
+        when checkpoints first stop fitting in a reclaim notice."""
+        s = self._active_state()
+        known = set(s.checkpoints.skipped) if s.checkpoints else set()
+        warned = s.checkpoint_report(self._now())
+        s.checkpoints = stats
+        for step in sorted(set(stats.skipped) - known):
+            s.record(self._now(), "checkpoint skipped", f"step {step} did not load")
+        warning = s.checkpoint_report(self._now()).warning
+        if warning and not (warned and warned.warning):
+            s.record(self._now(), "checkpoints too slow", warning)
+            workflow.logger.warning(f"{s.spec.name}: {warning}")
+
     async def _on_watch(self, w: WatchResult) -> bool:
         s = self._active_state()
         now = self._now()
@@ -417,6 +432,8 @@ class TrainingJob:
         if w.step is not None and w.step > s.step:
             s.step = w.step
             s.progress_at = now
+        if w.checkpoints is not None:
+            self._on_checkpoints(w.checkpoints)
         if w.outcome == "completed":
             s.step = max(s.step, w.step or s.spec.total_steps)
             s.running = False
@@ -572,6 +589,7 @@ class TrainingJob:
             image=s.spec.image,
             job_type=s.spec.type,
             checkpoint=s.spec.checkpoint,
+            checkpoint_keep=s.spec.checkpoint_keep,
             scale_config={str(k): v for k, v in s.spec.scale_config.get(world, {}).items()},
             global_batch_size=s.spec.global_batch_size,
             total_steps=s.spec.total_steps,
@@ -695,6 +713,7 @@ class TrainingJob:
         s = self._active_state()
         if node.slot in s.members and s.running:
             s.resizes += 1
+            s.losses += 1
             await self._stop(
                 graceful=False,
                 grace=0,
