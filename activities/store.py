@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -240,6 +241,19 @@ class JobStore:
 
     def done(self) -> dict[str, Any] | None:
         return self.store.get_json("done.json")
+
+
+def reap_checkpoints(root: str, job_exists: Callable[[str], bool], apply: bool) -> list[str]:
+    """Job stores directly under `root` (`<root>/<job>/gen-*/...`, as jobs that share a
+    checkpoint root keep them) whose job no longer exists: their names. Only with `apply` are
+    they deleted, checkpoints and all; folders that hold no job store are never touched."""
+    store = open_store(root)
+    jobs = sorted({k.split("/")[0] for k in store.list_keys("") if "/gen-" in k})
+    gone = [job for job in jobs if not job_exists(job)]
+    if apply:
+        for job in gone:
+            store.delete_prefix(f"{job}/")
+    return gone
 
 
 def checked_store(uri: str, now: float) -> JobStore:
