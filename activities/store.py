@@ -168,6 +168,12 @@ class JobStore:
             f"{self._gen(generation)}/ack/{rank}.json", {"step": step, "time": time}
         )
 
+    def acks(self, generation: int) -> list[dict[str, Any]]:
+        """The generation's acks, {"step", "time"} each (written once the ack's checkpoint
+        was durable)."""
+        keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
+        return [a for a in (self.store.get_json(k) for k in keys) if a]
+
     def acked_ranks(self, generation: int) -> list[int]:
         keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
         return sorted(int(Path(k).stem) for k in keys)

@@ -1,16 +1,18 @@
 """Training time blocked per checkpoint: synchronous vs asynchronous DCP saves, to file:// and
 to S3 (moto's server on loopback), side by side in one run.
 
-    .venv/bin/python -m bench.checkpoint [--mb 256] [--ranks 2] [--checkpoints 4] [--steps 8]
+    .venv/bin/python -m bench.checkpoint [--mb 256] [--ranks 2] [--checkpoints 3]
+        [--interval-s 15]
 
 Real gloo ranks (subprocesses) hold a model of `--mb` MB (replicated, as under DDP: DCP spreads
 the writing over the ranks) and run steps of fixed work (a matmul and an all-reduce). Every
-`--steps` steps they checkpoint through spotrain.workers.checkpoint. Per checkpoint:
+`--interval-s` seconds they checkpoint through spotrain.workers.checkpoint (an interval longer
+than a save, as an asynchronous save needs to pay off). Per checkpoint:
 - `blocked`: time inside the save call (sync: the whole save; async: copying the state to
   memory, plus waiting for the previous save if it is still being written);
-- `lost`: the interval's wall time minus the median interval without checkpoints (in the same
-  ranks, before): what training really lost, counting the background writer's competition for
-  the CPU (2 shared cores here);
+- `lost`: the interval minus the steps done in it at the step time measured first without
+  checkpoints (same ranks): what training really lost, counting the background writer's
+  competition for the CPU (2 shared cores here);
 - `durable`: from the save call to the checkpoint complete (the library's own record).
 """
 
@@ -47,35 +49,36 @@ def rank_main(cfg: dict[str, Any]) -> None:
     model = {f"w{i}": torch.randn(n, generator=gen) for i in range(8)}
     a = torch.randn(STEP_FLOPS_N, STEP_FLOPS_N, generator=gen)
 
-    def interval() -> None:
-        for _ in range(cfg["steps"]):
+    def steps_until(end: float) -> int:
+        """Train until `end` (rank 0's clock decides, so every rank takes as many steps)."""
+        done = 0
+        while True:
             for _ in range(4):
                 a.copy_(torch.tanh(a @ a / STEP_FLOPS_N))
             model["w0"][:16] += 1e-3  # training changes the state between checkpoints
-            dist.all_reduce(torch.ones(8))
+            flag = torch.tensor([float(time.perf_counter() < end)])
+            dist.broadcast(flag, src=0)
             ckpt.poll()
+            done += 1
+            if not flag.item():
+                return done
 
-    def timed(fn: Any) -> float:
-        started = time.perf_counter()
-        fn()
-        return time.perf_counter() - started
-
-    baseline = [timed(interval) for _ in range(cfg["checkpoints"])]
-    blocked, walls = [], []
+    started = time.perf_counter()
+    step_s = cfg["interval_s"] / steps_until(started + cfg["interval_s"])
+    blocked, lost = [], []
     for k in range(cfg["checkpoints"]):
-        step = (k + 1) * cfg["steps"]
-        state = {"model": model, "step": torch.tensor(step)}
+        state = {"model": model, "step": torch.tensor(k)}
         save = ckpt.save_async if cfg["mode"] == "async" else ckpt.save
         started = time.perf_counter()
-        save(state, step, "periodic")
+        save(state, k + 1, "periodic")
         blocked.append(time.perf_counter() - started)
-        interval()
-        walls.append(time.perf_counter() - started)
+        done = steps_until(started + cfg["interval_s"])
+        lost.append(time.perf_counter() - started - done * step_s)
     ckpt.close()
     dist.barrier()
     if dist.get_rank() == 0:
         records = elastic.store().checkpoints()
-        print(json.dumps({"baseline": baseline, "blocked": blocked, "walls": walls}), flush=True)
+        print(json.dumps({"step_s": step_s, "blocked": blocked, "lost": lost}), flush=True)
         print(json.dumps({"records": records}), flush=True)
     os._exit(0)  # gloo's teardown can hang (pytorch/pytorch#75097)
 
@@ -103,18 +106,18 @@ def run_case(cfg: dict[str, Any], uri: str, port: int) -> dict[str, Any]:
     return {**lines[0], **lines[1]}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=256, help="model size in MB (default 256)")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--checkpoints", type=int, default=4, help="checkpoints per case")
-    p.add_argument("--steps", type=int, default=8, help="steps between checkpoints")
+    p.add_argument("--checkpoints", type=int, default=3, help="checkpoints per case")
+    p.add_argument("--interval-s", type=float, default=15.0, help="between checkpoints")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--rank-config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_config:
         rank_main(json.loads(args.rank_config))
-        return
+        return None
 
     import boto3
     from moto.server import ThreadedMotoServer
@@ -127,12 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     moto.start()
     host, port = moto.get_host_and_port()
     endpoint = f"http://{host}:{port}"
+    saved = dict(os.environ)  # the ranks inherit these; the caller gets its own back
     os.environ.update(AWS_ENDPOINT_URL_S3=endpoint, AWS_DEFAULT_REGION="us-east-1")
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="spotrain-bench")
     rows, cases = [], {}
     try:
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="spotrain-bench")
         with tempfile.TemporaryDirectory(prefix="spotrain-bench-ckpt-") as tmp:
             targets = {"file": f"file://{tmp}", "s3": "s3://spotrain-bench/ckpt"}
             for target, root in targets.items():
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
                     cases[f"{target}/{mode}"] = out
     finally:
         moto.stop()
+        os.environ.clear()
+        os.environ.update(saved)
     for target in ("file", "s3"):
         sync, async_ = (r for r in rows if r["target"] == target)
         async_["blocked_vs_sync"] = async_["blocked_median_s"] / sync["blocked_median_s"]
@@ -162,12 +168,12 @@ def main(argv: list[str] | None = None) -> None:
         "lost_vs_sync",
     ]
     publish(report, rows, columns, args.out / "checkpoint.json")
+    return report
 
 
 def row(target: str, mode: str, mb: int, out: dict[str, Any]) -> dict[str, Any]:
-    base = summary(out["baseline"])["median"]
     blocked = summary(out["blocked"])
-    lost = summary([w - base for w in out["walls"]])
+    lost = summary(out["lost"])
     durable = summary([r["duration_s"] for r in out["records"]])
     return {
         "target": target,
@@ -177,7 +183,7 @@ def row(target: str, mode: str, mb: int, out: dict[str, Any]) -> dict[str, Any]:
         "blocked_p99_s": blocked["p99"],
         "lost_median_s": lost["median"],
         "durable_median_s": durable["median"],
-        "interval_without_checkpoint_s": base,
+        "step_s": out["step_s"],
     }
 
 
