@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -20,6 +21,7 @@ from spotrain.workflows.contract import (
     GenerationPlan,
     Member,
     StopRequest,
+    StopResult,
     WatchRequest,
     WatchResult,
 )
@@ -81,6 +83,15 @@ def watch(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan) -> Watc
     return env.run(rt.watch_generation, req)
 
 
+def stop_generation(
+    env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan, **how: Any
+) -> StopResult:
+    req = StopRequest(
+        job=p.job, generation=p.generation, world_size=p.world_size, checkpoint=p.checkpoint, **how
+    )
+    return env.run(rt.stop_generation, req)
+
+
 def records(tmp_path: Path, generation: int, job: str = "ddp") -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for f in (tmp_path / job).glob(f"gen-{generation}-rank-*.jsonl"):
@@ -100,17 +111,7 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
     assert result.outcome == "progress", (result, rt.log_path("ddp", 0, 0).read_text())
 
     started = time.monotonic()
-    stop = env.run(
-        rt.stop_generation,
-        StopRequest(
-            job="ddp",
-            generation=0,
-            world_size=2,
-            checkpoint=gen0.checkpoint,
-            graceful=True,
-            grace_s=30,
-        ),
-    )
+    stop = stop_generation(env, rt, gen0, graceful=True, grace_s=30)
     assert stop.acked_ranks == [0, 1] and not stop.forced
     assert time.monotonic() - started < 30
     resized_at = stop.checkpoint_step
@@ -176,17 +177,8 @@ def test_resumes_on_other_ranks_from_s3_after_a_loss_without_notice(
         assert time.monotonic() < deadline, "no periodic checkpoint reached S3"
     assert result.checkpoints and result.checkpoints.kinds["periodic"] >= 2
     assert result.checkpoints.blocked_p50_s < result.checkpoints.p50_s  # asynchronous
-    lost = env.run(
-        rt.stop_generation,
-        StopRequest(
-            job="ddp",
-            generation=0,
-            world_size=2,
-            checkpoint=uri,
-            graceful=False,
-            grace_s=0,
-            lost_node_ids=["node-0", "node-1"],
-        ),
+    lost = stop_generation(
+        env, rt, gen0, graceful=False, grace_s=0, lost_node_ids=["node-0", "node-1"]
     )
     resumed_at = lost.checkpoint_step
     assert resumed_at is not None and resumed_at >= 40 and resumed_at % 20 == 0

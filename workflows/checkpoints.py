@@ -102,7 +102,7 @@ def describe(c: CheckpointReport | None) -> str:
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(c.kinds.items()))
     line = (
         f"checkpoints {c.count} kept ({kinds}): p50 {c.p50_s:.2f} s, p99 {c.p99_s:.2f} s, "
-        f"training blocked p50 {c.blocked_p50_s:.2f} s, last {c.last_bytes / 1e6:.1f} MB"
+        f"training blocked p50 {c.blocked_p50_s:.2f} s, last {c.last_bytes / 1e3:,.0f} kB"
     )
     if c.young_daly_s is not None:
         line += f"; Young/Daly interval {c.young_daly_s:.0f} s"
