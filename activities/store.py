@@ -3,6 +3,7 @@
 Both runtimes (local processes, Kubernetes pods) and the training library see the job through
 the same keys under the job's `checkpoint` location (`file:///path` or `s3://bucket/prefix`):
 
+    probe.json                    {"time": t}              the runtime can write and read here
     gen-00003/started.json        {"time": t}              every node of the gang is up
     gen-00003/ack/<rank>.json     {"step": n, "time": t}   rank checkpointed after an event
     gen-00003/progress.json       {"step": n, "time": t}   rank 0, throttled
