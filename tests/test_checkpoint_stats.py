@@ -7,7 +7,11 @@ import math
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from temporalio import activity
+from temporalio.testing import WorkflowEnvironment
 
+from spotrain.activities.simulated import SimulatedRuntime
+from spotrain.workflows import contract
 from spotrain.workflows.checkpoints import (
     EC2_NOTICE_S,
     describe,
@@ -16,8 +20,11 @@ from spotrain.workflows.checkpoints import (
     summarize,
     young_daly_interval_s,
 )
+from spotrain.workflows.contract import WatchRequest, WatchResult
 from spotrain.workflows.spec import parse_spec
 from spotrain.workflows.state import JobState
+
+from .jobs import job_spec, simulated
 
 
 def record(step: int, duration: float, blocked: float, kind: str = "periodic") -> dict:
@@ -90,3 +97,27 @@ def test_job_state_reports_checkpoints_in_status_and_result() -> None:
     assert "skipped as unloadable: steps 20" in text and "warning" in text
     with pytest.raises(ValueError, match="checkpoint_keep"):
         parse_spec({**spec.model_dump(mode="json"), "checkpoint_keep": 0})
+
+
+class TimedCheckpoints(SimulatedRuntime):
+    """The simulated runtime, reporting checkpoint records as the training library leaves them
+    in the store (a stand-in for the store: tests/test_checkpoint.py writes them for real):
+    90 s to durable, and step 5 skipped as unloadable."""
+
+    @activity.defn(name=contract.WATCH_GENERATION)
+    def watch_generation(self, req: WatchRequest) -> WatchResult:
+        result = super().watch_generation(req)
+        stats = summarize([record(10, 90.0, 1.0)], [{"step": 5}])
+        return result.model_copy(update={"checkpoints": stats})
+
+
+async def test_job_warns_once_and_reports_skipped_checkpoints(ts_env: WorkflowEnvironment) -> None:
+    spec = job_spec(total_steps=3_600)  # graceful_shutdown_timeout_s 60: p99 90 s does not fit
+    async with simulated(ts_env.client, runtime=TimedCheckpoints()) as sim:
+        result = await (await sim.start(spec)).result()
+    c = result.checkpoints
+    assert c is not None and c.p99_s == 90.0 and c.skipped == [5] and c.notice_s == 60
+    assert c.warning and "exceeds the 60 s" in c.warning
+    events = [e.event for e in result.timeline]
+    assert events.count("checkpoints too slow") == 1  # said once, not on every progress report
+    assert events.count("checkpoint skipped") == 1
