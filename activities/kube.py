@@ -290,7 +290,7 @@ class KubeRuntime:
                     break
                 activity.heartbeat()
                 time.sleep(self.ack_poll_s)
-        acked = store.acked_ranks(req.generation)
+        acked, checkpoint_step = store.ended(req.generation)
         grace = math.ceil(req.grace_s) if req.graceful else 0
         # A Failed pod holds no resources and is what someone debugging the fault needs:
         # it stays until cleanup_job (which keeps it too when the job's cleanup policy says so).
@@ -302,11 +302,8 @@ class KubeRuntime:
             lambda pods: all(p.status.phase == "Failed" for p in pods.values()) or None,
             time.monotonic() + grace + 30,
         )
-        latest = store.latest_checkpoint()
         return StopResult(
-            acked_ranks=acked,
-            checkpoint_step=latest["step"] if latest else None,
-            forced=bool(expected - set(acked)),
+            acked_ranks=acked, checkpoint_step=checkpoint_step, forced=bool(expected - set(acked))
         )
 
     @activity.defn(name=contract.WATCH_GENERATION)

@@ -254,12 +254,8 @@ class LocalRuntime:
             self._wait(lambda: not any(r.alive() for r in survivors), self.term_grace_s)
         self._kill(survivors)
         forced = forced or bool(survivors)
-        latest = store.latest_checkpoint()
-        return StopResult(
-            acked_ranks=store.acked_ranks(req.generation),
-            checkpoint_step=latest["step"] if latest else None,
-            forced=forced,
-        )
+        acked, checkpoint_step = store.ended(req.generation)
+        return StopResult(acked_ranks=acked, checkpoint_step=checkpoint_step, forced=forced)
 
     @activity.defn(name=contract.WATCH_GENERATION)
     def watch_generation(self, req: WatchRequest) -> WatchResult:

@@ -175,6 +175,18 @@ class JobStore:
         keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
         return [a for a in (self.store.get_json(k) for k in keys) if a]
 
+    def ended(self, generation: int) -> tuple[list[int], int | None]:
+        """For a stop: the generation's acked ranks and the latest checkpoint's step. A
+        location that refuses reads reports none, so that the stop still ends (the start
+        failed, or will, with the store's message) instead of retrying forever."""
+        try:
+            latest = self.latest_checkpoint()
+            return self.acked_ranks(generation), latest["step"] if latest else None
+        except Exception as err:
+            if _refused(err):
+                return [], None
+            raise
+
     def acked_ranks(self, generation: int) -> list[int]:
         keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
         return sorted(int(Path(k).stem) for k in keys)

@@ -18,11 +18,16 @@ from typing import Any
 import boto3
 import pytest
 from moto.s3 import models as s3_models
+from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
 
+from spotrain.activities.local import LocalRuntime
 from spotrain.activities.store import JobStore, StoreUnusable, checked_store
 from spotrain.workers.stack import free_port
 from spotrain.workflows.contract import CONFIG_ERROR
+
+from .jobs import job_spec, simulated
 
 pytest.importorskip("torch")
 pytest.importorskip("s3torchconnector")
@@ -200,3 +205,24 @@ def test_forbidden_or_missing_bucket_fails_the_start_with_the_stores_message(
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     with pytest.raises(StoreUnusable, match="Could not connect"):
         JobStore("s3://any-bucket/job").check(time.time())
+
+
+async def test_job_on_a_missing_bucket_fails_at_start_with_s3s_message(
+    ts_env: WorkflowEnvironment,
+    moto_endpoint: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """The real local runtime, its store on moto's S3: no rank ever starts, and the job fails
+    at once (not after max_restarts, nor at its first checkpoint) with S3's own message."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    runtime = LocalRuntime(tmp_path)
+    spec = job_spec(total_steps=600, checkpoint="s3://no-such-bucket-here/job")
+    async with simulated(ts_env.client, runtime=runtime) as sim:  # type: ignore[arg-type]
+        handle = await sim.start(spec)
+        with pytest.raises(WorkflowFailureError) as failure:
+            await handle.result()
+    assert "NoSuchBucket" in str(failure.value.cause)
+    assert "generation 1 failed to start" in str(failure.value.cause)
+    assert not list(tmp_path.glob("jobs/*/gen-*/rank-*.pid"))  # no rank was launched
+    assert sim.cloud.running() == []
