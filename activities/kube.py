@@ -41,7 +41,7 @@ from temporalio.exceptions import ApplicationError
 
 from spotrain.activities.command_launch import launch_command
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
-from spotrain.activities.store import JobStore
+from spotrain.activities.store import JobStore, checked_store
 from spotrain.activities.worker_env import rank_env
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -222,6 +222,7 @@ class KubeRuntime:
                 type=contract.CONFIG_ERROR,
                 non_retryable=True,
             )
+        store = checked_store(plan.checkpoint, time.time())
         ns = self._ns(plan.job)
         deadline = time.monotonic() + self.gang_timeout_s
         hosts = self._node_hostnames([m.node_id for m in plan.members], deadline)
@@ -256,7 +257,7 @@ class KubeRuntime:
                 f"gang start of {plan.job} generation {plan.generation} rolled back: {err}",
                 type=GANG_ERROR,
             ) from None
-        JobStore(plan.checkpoint).mark_started(plan.generation, time.time())  # the gang goes
+        store.mark_started(plan.generation, time.time())  # the gang goes
 
     @activity.defn(name=contract.STOP_GENERATION)
     @_config_errors
@@ -293,7 +294,7 @@ class KubeRuntime:
                     break
                 activity.heartbeat()
                 time.sleep(self.ack_poll_s)
-        acked = store.acked_ranks(req.generation)
+        acked, checkpoint_step = store.ended(req.generation)
         grace = math.ceil(req.grace_s) if req.graceful else 0
         # A Failed pod holds no resources and is what someone debugging the fault needs:
         # it stays until cleanup_job (which keeps it too when the job's cleanup policy says so).
@@ -305,11 +306,8 @@ class KubeRuntime:
             lambda pods: all(p.status.phase == "Failed" for p in pods.values()) or None,
             time.monotonic() + grace + 30,
         )
-        latest = store.latest_checkpoint()
         return StopResult(
-            acked_ranks=acked,
-            checkpoint_step=latest["step"] if latest else None,
-            forced=bool(expected - set(acked)),
+            acked_ranks=acked, checkpoint_step=checkpoint_step, forced=bool(expected - set(acked))
         )
 
     @activity.defn(name=contract.WATCH_GENERATION)
@@ -591,10 +589,11 @@ def _absent(delete: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
             raise
 
 
-def _steps(store: JobStore, req: WatchRequest) -> dict[str, int | None]:
+def _steps(store: JobStore, req: WatchRequest) -> dict[str, Any]:
     progress = store.progress(req.generation)
     latest = store.latest_checkpoint()
     return {
         "step": progress["step"] if progress else None,
         "checkpoint_step": latest["step"] if latest else None,
+        "checkpoints": store.checkpoint_stats(),
     }

@@ -37,7 +37,7 @@ from temporalio import activity
 from spotrain.activities import worker_env
 from spotrain.activities.command_launch import launch_command
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
-from spotrain.activities.store import JobStore
+from spotrain.activities.store import JobStore, checked_store
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
@@ -204,8 +204,9 @@ class LocalRuntime:
         gdir.mkdir(parents=True, exist_ok=True)
         port = self._master_port(gdir)
         control = str(self.control_file(plan.job, plan.generation))
+        store = checked_store(plan.checkpoint, time.time())
         reset_control(plan.checkpoint, plan.generation)
-        JobStore(plan.checkpoint).mark_started(plan.generation, time.time())  # one machine: all up
+        store.mark_started(plan.generation, time.time())  # one machine: all up
         rank = 0
         for node_index, member in enumerate(plan.members):
             for local_rank in range(member.procs):
@@ -258,12 +259,8 @@ class LocalRuntime:
             self._wait(lambda: not any(r.alive() for r in survivors), self.term_grace_s)
         self._kill(survivors)
         forced = forced or bool(survivors)
-        latest = store.latest_checkpoint()
-        return StopResult(
-            acked_ranks=store.acked_ranks(req.generation),
-            checkpoint_step=latest["step"] if latest else None,
-            forced=forced,
-        )
+        acked, checkpoint_step = store.ended(req.generation)
+        return StopResult(acked_ranks=acked, checkpoint_step=checkpoint_step, forced=forced)
 
     @activity.defn(name=contract.WATCH_GENERATION)
     def watch_generation(self, req: WatchRequest) -> WatchResult:
@@ -364,6 +361,7 @@ class LocalRuntime:
             checkpoint_step=latest["step"] if latest else None,
             exit_codes=codes,
             notices=notices or [],
+            checkpoints=store.checkpoint_stats(),
         )
 
     @staticmethod

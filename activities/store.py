@@ -3,10 +3,16 @@
 Both runtimes (local processes, Kubernetes pods) and the training library see the job through
 the same keys under the job's `checkpoint` location (`file:///path` or `s3://bucket/prefix`):
 
+    probe.json                    {"time": t}              the runtime can write and read here
     gen-00003/started.json        {"time": t}              every node of the gang is up
     gen-00003/ack/<rank>.json     {"step": n, "time": t}   rank checkpointed after an event
     gen-00003/progress.json       {"step": n, "time": t}   rank 0, throttled
+    gen-00003/loaded.json         {"step": n}              the checkpoint it resumed from
     ckpt/latest.json              {"step": n, "path": p}   last complete checkpoint
+    ckpt/step-0000050/...         DCP files of the checkpoint at step 50
+    ckpt/complete/0000050.json    {"step", "path", "kind", "duration_s", "blocked_s", "bytes",
+                                   "world_size", "generation", "time"}: complete and timed
+    ckpt/skipped/0000050.json     {"step", "path", "reason", "generation", "time"}: failed to load
     done.json                     {"step": n, "time": t}   training finished
 
 No torch, no temporalio: training code imports this too.
@@ -17,7 +23,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -27,6 +35,12 @@ class ObjectStore(Protocol):
     def put_json(self, key: str, value: Any) -> None: ...
     def get_json(self, key: str) -> Any | None: ...
     def list_keys(self, prefix: str) -> list[str]: ...
+    def delete_prefix(self, prefix: str) -> None: ...
+
+
+class StoreUnusable(Exception):
+    """The location refuses spotrain (no such bucket, access denied, unreachable): a job
+    cannot run there, and retrying will not help. The message is the store's own."""
 
 
 class FileStore:
@@ -50,14 +64,25 @@ class FileStore:
             return None
 
     def list_keys(self, prefix: str) -> list[str]:
+        """Keys starting with `prefix`, as S3 lists them (a prefix need not be a folder)."""
         base = self.root / prefix
-        if not base.is_dir():
+        folder = base if not prefix or prefix.endswith("/") else base.parent
+        if not folder.is_dir():
             return []
-        return sorted(
+        keys = (
             str(p.relative_to(self.root))
-            for p in base.rglob("*")
+            for p in folder.rglob("*")
             if p.is_file() and not p.name.startswith(".tmp-")
         )
+        return sorted(k for k in keys if k.startswith(prefix))
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every key under `prefix` (a folder: the folder itself too)."""
+        path = self.root / prefix
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 class S3Store:
@@ -96,6 +121,11 @@ class S3Store:
             keys += [o["Key"][strip:] for o in page.get("Contents", [])]
         return sorted(keys)
 
+    def delete_prefix(self, prefix: str) -> None:
+        keys = [{"Key": self._key(k)} for k in self.list_keys(prefix)]
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes up to 1000 keys
+            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i : i + 1000]})
+
 
 def open_store(uri: str) -> ObjectStore:
     """`file:///path` or `s3://bucket/prefix` -> a store rooted there."""
@@ -118,6 +148,17 @@ class JobStore:
     def _gen(generation: int) -> str:
         return f"gen-{generation:05d}"
 
+    def check(self, time: float) -> None:
+        """Write and read back a probe: a location that refuses either raises StoreUnusable
+        with the store's message (so a job fails at start, not at its first checkpoint)."""
+        try:
+            self.store.put_json("probe.json", {"time": time})
+            self.store.get_json("probe.json")
+        except Exception as err:
+            if _refused(err):
+                raise StoreUnusable(f"checkpoint location {self.uri}: {err}") from err
+            raise
+
     def mark_started(self, generation: int, time: float) -> None:
         self.store.put_json(f"{self._gen(generation)}/started.json", {"time": time})
 
@@ -128,6 +169,24 @@ class JobStore:
         self.store.put_json(
             f"{self._gen(generation)}/ack/{rank}.json", {"step": step, "time": time}
         )
+
+    def acks(self, generation: int) -> list[dict[str, Any]]:
+        """The generation's acks, {"step", "time"} each (written once the ack's checkpoint
+        was durable)."""
+        keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
+        return [a for a in (self.store.get_json(k) for k in keys) if a]
+
+    def ended(self, generation: int) -> tuple[list[int], int | None]:
+        """For a stop: the generation's acked ranks and the latest checkpoint's step. A
+        location that refuses reads reports none, so that the stop still ends (the start
+        failed, or will, with the store's message) instead of retrying forever."""
+        try:
+            latest = self.latest_checkpoint()
+            return self.acked_ranks(generation), latest["step"] if latest else None
+        except Exception as err:
+            if _refused(err):
+                return [], None
+            raise
 
     def acked_ranks(self, generation: int) -> list[int]:
         keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
@@ -144,6 +203,58 @@ class JobStore:
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
         return self.store.get_json("ckpt/latest.json")
+
+    def write_loaded(self, generation: int, step: int) -> None:
+        self.store.put_json(f"{self._gen(generation)}/loaded.json", {"step": step})
+
+    def newest_generation(self) -> int | None:
+        """The newest generation the runtime has started, or None."""
+        gens = [k.split("/", 1)[0] for k in self.store.list_keys("gen-") if "/started" in k]
+        return max((int(g.removeprefix("gen-")) for g in gens), default=None)
+
+    def loaded_step(self, generation: int) -> int | None:
+        loaded = self.store.get_json(f"{self._gen(generation)}/loaded.json")
+        return loaded["step"] if loaded else None
+
+    def record_checkpoint(self, record: dict[str, Any]) -> None:
+        """A checkpoint complete and timed (all ranks' files and its metadata are written)."""
+        self.store.put_json(f"ckpt/complete/{record['step']:07d}.json", record)
+
+    def forget_checkpoint(self, step: int) -> None:
+        """Retention: first the record (no reader picks it any more), then its files."""
+        self.store.delete_prefix(f"ckpt/complete/{step:07d}.json")
+        self.store.delete_prefix(f"ckpt/step-{step:07d}/")
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        """Records of the complete checkpoints still kept, oldest first."""
+        records = (self.store.get_json(k) for k in self.store.list_keys("ckpt/complete/"))
+        return sorted((r for r in records if r), key=lambda r: r["step"])
+
+    def checkpoint_dirs(self) -> list[int]:
+        """Steps that have checkpoint files, complete or not."""
+        steps = {k.split("/")[1] for k in self.store.list_keys("ckpt/step-")}
+        return sorted(int(s.removeprefix("step-")) for s in steps)
+
+    def record_skipped(self, record: dict[str, Any]) -> None:
+        self.store.put_json(f"ckpt/skipped/{record['step']:07d}.json", record)
+
+    def skipped_checkpoints(self) -> list[dict[str, Any]]:
+        records = (self.store.get_json(k) for k in self.store.list_keys("ckpt/skipped/"))
+        return sorted((r for r in records if r), key=lambda r: r["step"])
+
+    def checkpoint_stats(self) -> Any:
+        """The records above as `CheckpointStats` (for the runtimes' watch), or None."""
+        from spotrain.workflows.checkpoints import summarize  # pydantic: not in training code
+
+        records, skipped = self.checkpoints(), self.skipped_checkpoints()
+        return summarize(records, skipped) if records or skipped else None
+
+    def checkpoint_path(self, step: int) -> str:
+        """Where the checkpoint at `step` lives: a file path or an s3:// URI (for DCP)."""
+        parsed = urlparse(self.uri)
+        if parsed.scheme == "file":
+            return str(Path(parsed.path) / "ckpt" / f"step-{step:07d}")
+        return f"{self.uri.rstrip('/')}/ckpt/step-{step:07d}"
 
     def write_done(self, step: int, time: float) -> None:
         self.store.put_json("done.json", {"step": step, "time": time})
@@ -170,3 +281,50 @@ class JobStore:
     def notices(self, generation: int) -> list[dict[str, Any]]:
         keys = self.store.list_keys(f"{self._gen(generation)}/notice/")
         return [n for k in keys if (n := self.store.get_json(k)) is not None]
+
+def reap_checkpoints(root: str, job_exists: Callable[[str], bool], apply: bool) -> list[str]:
+    """Job stores directly under `root` (`<root>/<job>/gen-*/...`, as jobs that share a
+    checkpoint root keep them) whose job no longer exists: their names. Only with `apply` are
+    they deleted, checkpoints and all; folders that hold no job store are never touched."""
+    store = open_store(root)
+    jobs = sorted({k.split("/")[0] for k in store.list_keys("") if "/gen-" in k})
+    gone = [job for job in jobs if not job_exists(job)]
+    if apply:
+        for job in gone:
+            store.delete_prefix(f"{job}/")
+    return gone
+
+
+def checked_store(uri: str, now: float) -> JobStore:
+    """For the activities that start a generation: the job's store once `check` passed; a
+    location that refuses spotrain fails the job (a non-retryable ConfigError) at once."""
+    from temporalio.exceptions import ApplicationError  # activities only, not training code
+
+    from spotrain.workflows.contract import CONFIG_ERROR
+
+    store = JobStore(uri)
+    try:
+        store.check(now)
+    except StoreUnusable as err:
+        raise ApplicationError(str(err), type=CONFIG_ERROR, non_retryable=True) from None
+    return store
+
+
+# Error codes (S3's, and botocore's connection errors) that no retry will cure.
+REFUSED = {
+    "NoSuchBucket",
+    "AccessDenied",
+    "AllAccessDisabled",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidBucketName",
+    "PermanentRedirect",
+}
+
+
+def _refused(err: Exception) -> bool:
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    if isinstance(err, ClientError):
+        return err.response.get("Error", {}).get("Code") in REFUSED
+    return isinstance(err, EndpointConnectionError | NoCredentialsError | PermissionError)

@@ -22,6 +22,7 @@ CHECKPOINT = "SPOTRAIN_CHECKPOINT"
 CONTROL_FILE = "SPOTRAIN_CONTROL_FILE"
 SCALE_CONFIG = "SPOTRAIN_SCALE_CONFIG"
 TOTAL_STEPS = "SPOTRAIN_TOTAL_STEPS"
+CHECKPOINT_KEEP = "SPOTRAIN_CHECKPOINT_KEEP"
 GLOBAL_BATCH_SIZE = "SPOTRAIN_GLOBAL_BATCH_SIZE"
 LOCAL_BATCH_SIZE = "SPOTRAIN_LOCAL_BATCH_SIZE"
 
@@ -55,6 +56,7 @@ def rank_env(
             CONTROL_FILE: control_file,
             SCALE_CONFIG: json.dumps(plan.scale_config, sort_keys=True),
             TOTAL_STEPS: str(plan.total_steps),
+            CHECKPOINT_KEEP: str(plan.checkpoint_keep),
         }
     )
     if plan.global_batch_size is not None:

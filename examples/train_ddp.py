@@ -3,8 +3,10 @@
 Run by a spotrain runtime (it sets the torchrun-style and SPOTRAIN_* environment). Shows the
 whole worker contract:
 - gloo on CPU, NCCL when CUDA is present;
-- torch.distributed.checkpoint (DCP) every `ckpt_every` steps and on every elastic event;
-  a new generation at another world size loads it (DCP reshards);
+- torch.distributed.checkpoint (DCP) to the job's file:// or s3:// location through
+  `spotrain.workers.checkpoint`: asynchronous every `ckpt_every` steps (training goes on while
+  it is written), synchronous on an elastic event; a new generation at another world size
+  loads the newest complete one (DCP reshards);
 - a sampler keyed by the global sample position: step s consumes positions
   [s*G, (s+1)*G) of an endless stream of per-epoch permutations, split over the ranks by the
   uneven local batches, so no sample is repeated or skipped across resizes;
@@ -22,16 +24,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from spotrain.workers import elastic
+from spotrain.workers import checkpoint, elastic
 
 DATASET_SIZE = 4096
 FEATURES = 8
@@ -59,31 +59,17 @@ def sample_indices(start: int, count: int) -> torch.Tensor:
     return out
 
 
-def checkpoint_dir(s: elastic.Settings, step: int) -> str:
-    """DCP writes local files: under the job's file:// checkpoint location."""
-    parsed = urlparse(s.checkpoint)
-    if parsed.scheme != "file":
-        sys.exit(f"this example checkpoints to local files only, not {s.checkpoint!r}")
-    return str(Path(parsed.path) / "ckpt" / f"step-{step:07d}")
-
-
-def save(s: elastic.Settings, model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
-    """Collective save; rank 0 records it as latest only once every rank has finished."""
+def state_of(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
+    """What a checkpoint holds: model and optimizer (DCP reshards both) and the step."""
     model_sd, optim_sd = get_state_dict(model, optim)
-    path = checkpoint_dir(s, step)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
-    elastic.mark_checkpoint(step, path)
-    dist.barrier()  # nobody acks a checkpoint before it is the latest
+    return {"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}
 
 
-def load(model: nn.Module, optim: torch.optim.Optimizer) -> int:
-    """Resume from the latest complete checkpoint (any world size); the step to start at."""
-    latest = elastic.latest_checkpoint()
-    if latest is None:
+def load(ckpt: checkpoint.Checkpointer, model: nn.Module, optim: torch.optim.Optimizer) -> int:
+    """Resume from the newest complete checkpoint that loads (any world size); the step."""
+    state = state_of(model, optim, 0)
+    if ckpt.load(state) is None:
         return 0
-    model_sd, optim_sd = get_state_dict(model, optim)
-    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=latest["path"])
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 
@@ -112,7 +98,8 @@ def main() -> int:
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts them)
     model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
     optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    step = load(model, optim)
+    ckpt = checkpoint.Checkpointer()
+    step = load(ckpt, model, optim)
     ddp = DistributedDataParallel(model)
     x_all, y_all = dataset()
     if args.record:
@@ -149,15 +136,16 @@ def main() -> int:
         if s.is_rank0 and step % 10 == 0:
             print(f"step {step} loss {loss:.5f} world {s.world_size}", flush=True)
         elastic.report_progress(step)
-        if event or step % ckpt_every == 0:
-            save(s, ddp.module, optim, step)
+        ckpt.poll()
         if event:
+            ckpt.save(state_of(ddp.module, optim, step), step, kind="notice")
             elastic.ack_checkpoint(step)
             print(f"rank {s.rank}: elastic event, checkpointed step {step}, exiting", flush=True)
             break
+        if step % ckpt_every == 0 and step < s.total_steps:
+            ckpt.save_async(state_of(ddp.module, optim, step), step)
     else:
-        if step % ckpt_every:  # the final state is a checkpoint too
-            save(s, ddp.module, optim, step)
+        ckpt.save(state_of(ddp.module, optim, step), step, kind="final")
         elastic.mark_done(step)
         dist.barrier()  # every rank exits only once the done marker is on record
     if record:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import goodput, reaction, scale
+from bench import checkpoint, goodput, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
 
 # Two zones of 4 nodes at 300 s ticks: all, then a drop, a gap, and back.
@@ -127,3 +127,15 @@ def test_reaction_benchmark_with_real_processes(tmp_path: Path) -> None:
     assert overhead["n"] == 4  # each reclaim: shrink, then grow back onto the replacement
     assert overhead["median"] < 30_000
     assert json.loads((tmp_path / "reaction.json").read_text())["setup"]["reclaims"] == 2
+
+
+def test_checkpoint_benchmark_sync_and_async_to_files_and_s3(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("s3torchconnector")
+    argv = ["--mb", "4", "--ranks", "1", "--checkpoints", "1", "--interval-s", "1"]
+    report = checkpoint.main([*argv, "--out", str(tmp_path)])
+    assert report is not None
+    rows = {(r["target"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {(t, m) for t in ("file", "s3") for m in ("sync", "async")}
+    assert all(r["durable_median_s"] > 0 and r["blocked_median_s"] > 0 for r in rows.values())
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["setup"]["mb"] == 4

@@ -26,6 +26,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.ec2 import MANAGED, TAG_JOB
 from spotrain.activities.local import LocalRuntime
+from spotrain.activities.store import JobStore, open_store
 from spotrain.workers.webhook import WebhookConfig, WebhookService
 from spotrain.workers.webhook_auth import AuthConfig
 from spotrain.workflows.state import JobStatus
@@ -356,3 +357,32 @@ async def test_pool_create_status_set_and_a_pooled_job(cli: Cli, tmp_path: Path)
     assert pool in [p["name"] for p in r.json()], r
     assert (await cli("cancel", spec["name"])).code == 0
     assert (await cli("pool", "status", "nowhere")).code == 1
+
+
+async def test_gc_reaps_checkpoints_of_jobs_temporal_no_longer_knows(
+    cli: Cli, moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    live_job = fast_spec(total_steps=100_000)
+    assert (await cli("submit", str(write(tmp_path, live_job)))).code == 0
+    bucket = f"gc-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
+    roots = [f"file://{tmp_path}/ckpts", f"s3://{bucket}/jobs"]
+    gone = f"gone-{uuid.uuid4().hex[:6]}"
+    env = {"AWS_ENDPOINT_URL_S3": moto_endpoint}
+    for root in roots:
+        for job in (live_job["name"], gone):
+            store = JobStore(f"{root}/{job}")
+            store.mark_started(1, 0.0)
+            store.record_checkpoint({"step": 10, "kind": "periodic"})
+        open_store(root).put_json("notes/readme.json", {"not": "a job"})
+    args = [a for root in roots for a in ("--checkpoints", root)]
+    dry = (await cli("gc", "--json", *args, **env)).json()
+    assert dry["checkpoints"] == {root: [gone] for root in roots}
+    assert (await cli("gc", "--apply", *args, **env)).code == 0
+    for root in roots:
+        keys = open_store(root).list_keys("")
+        assert not any(k.startswith(f"{gone}/") for k in keys)
+        assert f"{live_job['name']}/ckpt/complete/0000010.json" in keys
+        assert "notes/readme.json" in keys
+    assert (await cli("cancel", live_job["name"])).code == 0

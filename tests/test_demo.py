@@ -43,6 +43,9 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     assert job, run.stdout[-2000:]
     assert job_processes(job.group(1)) == []  # /proc, not the demo's word for it
     assert re.search(r"reclaims survived\s*│\s*2\s", run.stdout), run.stdout[-2000:]
+    # Checkpoints went to the stack's S3; their figures reached the job's result.
+    assert re.search(r"checkpoints\s*│\s*checkpoints \d+ kept", run.stdout), run.stdout[-3000:]
+    assert re.search(r"notice -> checkpoint durable\s*│\s*\d+\.\d+ s", run.stdout)
 
     gens = steps_by_generation(record)
     assert len(gens) >= 3, gens.keys()

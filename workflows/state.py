@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from spotrain.workflows.checkpoints import CheckpointReport, CheckpointStats, report
 from spotrain.workflows.contract import Lifecycle, PoolGrant, StopResult, WatchResult
 from spotrain.workflows.events import Event
 from spotrain.workflows.spec import JobSpec
@@ -136,6 +137,8 @@ class JobState(BaseModel):
     grant: PoolGrant | None = Field(None, description="what its pool lets it hold (pool jobs)")
     grant_seen: int = Field(0, description="the newest grant received: repeats are ignored")
     pool_reports: int = Field(0, description="reports sent to the pool, numbering them")
+    checkpoints: CheckpointStats | None = None
+    losses: int = Field(0, description="running generations lost without notice")
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -300,7 +303,16 @@ class JobState(BaseModel):
             "total_cost": round(total, 6),
             "all_on_demand_cost": round(all_on_demand, 6),
             "savings": round(1 - total / all_on_demand, 6) if all_on_demand else 0.0,
+            "checkpoints": self.checkpoint_report(now),
         }
+
+    def checkpoint_report(self, now: datetime) -> CheckpointReport | None:
+        return report(
+            self.checkpoints,
+            self.spec.elastic.graceful_shutdown_timeout_s,
+            self.losses,
+            (now - self.submitted_at).total_seconds() if self.submitted_at else 0.0,
+        )
 
 
 class NodeView(BaseModel):
@@ -330,6 +342,7 @@ class JobAccounts(BaseModel):
     total_cost: float
     all_on_demand_cost: float
     savings: float = Field(description="fraction saved versus all on-demand")
+    checkpoints: CheckpointReport | None = None
     timeline: list[TimelineEntry]
 
 

@@ -25,6 +25,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_
 
 with workflow.unsafe.imports_passed_through():
     from spotrain.workflows import attributes, calls, events, job_planner
+    from spotrain.workflows.checkpoints import CheckpointStats
     from spotrain.workflows.contract import (
         CONFIG_ERROR,
         CleanupRequest,
@@ -271,11 +272,27 @@ class TrainingJob:
         outcome = self.ranks.outcome()
         return outcome is not None and await self._on_watch(outcome)
 
+    def _on_checkpoints(self, stats: CheckpointStats) -> None:
+        """New checkpoint stats: say (timeline, log) when one was skipped as unloadable, and
+        when checkpoints first stop fitting in a reclaim notice."""
+        s = self._active_state()
+        known = set(s.checkpoints.skipped) if s.checkpoints else set()
+        warned = s.checkpoint_report(self._now())
+        s.checkpoints = stats
+        for step in sorted(set(stats.skipped) - known):
+            s.record(self._now(), "checkpoint skipped", f"step {step} did not load")
+        warning = s.checkpoint_report(self._now()).warning
+        if warning and not (warned and warned.warning):
+            s.record(self._now(), "checkpoints too slow", warning)
+            workflow.logger.warning(f"{s.spec.name}: {warning}")
+
     async def _on_watch(self, w: WatchResult) -> bool:
         s = self._active_state()
         for notice in w.notices:  # found by ranks themselves: queued like the webhook's
             self.reclaim(notice)
         s.note_progress(w, self._now())
+        if w.checkpoints is not None:
+            self._on_checkpoints(w.checkpoints)
         verdict, detail = job_planner.watch_verdict(s, w, self._now())
         if verdict == "completed":
             s.step = max(s.step, w.step or s.spec.total_steps)
@@ -418,6 +435,7 @@ class TrainingJob:
         s = self._active_state()
         if node.slot in s.members and s.running:
             s.resizes += 1
+            s.losses += 1
             await self.ranks.stop(
                 graceful=False,
                 grace=0,
