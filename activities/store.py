@@ -282,6 +282,7 @@ class JobStore:
         keys = self.store.list_keys(f"{self._gen(generation)}/notice/")
         return [n for k in keys if (n := self.store.get_json(k)) is not None]
 
+
 def reap_checkpoints(root: str, job_exists: Callable[[str], bool], apply: bool) -> list[str]:
     """Job stores directly under `root` (`<root>/<job>/gen-*/...`, as jobs that share a
     checkpoint root keep them) whose job no longer exists: their names. Only with `apply` are
