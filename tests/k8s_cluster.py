@@ -118,7 +118,7 @@ spec:
     - {key: .metadata.deletionTimestamp, operator: Exists}
   delay:
     durationMilliseconds: 0
-    jitterDurationFrom: {expressionFrom: .metadata.deletionTimestamp}
+    durationFrom: {expressionFrom: .metadata.deletionTimestamp}
   next: {delete: true}
 """
 
@@ -503,6 +503,15 @@ class ControlPlane:
         if not fake:
             status["conditions"] = [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]
         core.patch_node_status(name, {"status": status})
+        # The apiserver taints a new node not-ready; kube-controller-manager's node lifecycle
+        # controller lifts the taint once the node is Ready. That controller is not run here
+        # (the runtime relies on none), so this does its part.
+        deadline = time.monotonic() + 30
+        while not _ready(core.read_node(name)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {name} not Ready in 30 s:\n{self.log_tail('kwok')}")
+            time.sleep(0.05)
+        core.patch_node(name, [{"op": "replace", "path": "/spec/taints", "value": taints or []}])
 
     def audit_mark(self) -> int:
         return self.audit_log.stat().st_size if self.audit_log.exists() else 0
@@ -540,7 +549,12 @@ class ControlPlane:
         core = client.CoreV1Api(self.admin)
         selector = "spotrain.io/managed=true"
         for pod in core.list_pod_for_all_namespaces(label_selector=selector).items:
-            _gone(core.delete_namespaced_pod, pod.metadata.name, pod.metadata.namespace, 0)
+            _gone(
+                core.delete_namespaced_pod,
+                pod.metadata.name,
+                pod.metadata.namespace,
+                grace_period_seconds=0,
+            )
         for svc in core.list_service_for_all_namespaces(label_selector=selector).items:
             _gone(core.delete_namespaced_service, svc.metadata.name, svc.metadata.namespace)
         for cm in core.list_config_map_for_all_namespaces(label_selector=selector).items:
@@ -558,9 +572,14 @@ class ControlPlane:
         urllib.request.urlopen(f"{self.etcd_url}/v3/kv/compaction", compact).close()
 
 
-def _gone(delete: Any, *args: Any) -> None:
+def _ready(node: client.V1Node) -> bool:
+    conditions = (node.status and node.status.conditions) or []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+
+def _gone(delete: Any, *args: Any, **kwargs: Any) -> None:
     try:
-        delete(*args)
+        delete(*args, **kwargs)
     except client.ApiException as err:
         if err.status != 404:
             raise
