@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
-from kubernetes import client, utils
+from kubernetes import client, utils, watch
 from temporalio import workflow
 from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
@@ -493,12 +493,20 @@ def test_watch_survives_410_gone_by_listing_again(
     apiserver's 5-minute compaction): the next watch answers 410 Gone; the runtime lists again
     and goes on watching, instead of failing the activity."""
     run(runtime.start_generation, plan_for(ckpt))
+    seen = core.list_namespaced_pod(NS).metadata.resource_version
     watching = in_thread(runtime.watch_generation, watch_request(ckpt, report_after_s=30))
     time.sleep(1.5)
-    core.create_namespaced_config_map(  # moves etcd's revision past the pods' last change
-        "default", {"metadata": {"name": f"tick-{uuid.uuid4().hex[:6]}"}}
-    )
+    for _ in range(2):  # move etcd's revision past the pods' last change
+        core.create_namespaced_config_map(
+            "default", {"metadata": {"name": f"tick-{uuid.uuid4().hex[:6]}"}}
+        )
     kube.compact_etcd()
+    with pytest.raises(client.ApiException) as gone:  # what the runtime's next watch meets
+        for _ in watch.Watch().stream(
+            core.list_namespaced_pod, NS, resource_version=seen, timeout_seconds=1
+        ):
+            pass
+    assert gone.value.status == 410
     time.sleep(2.5)  # the runtime's next watch (watch_s=1) starts from a compacted version
     assert not watching.done()
     JobStore(ckpt).write_done(step=100, time=time.time())
