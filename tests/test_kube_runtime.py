@@ -13,7 +13,9 @@ real files under tmp_path.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -50,6 +52,7 @@ from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
     cluster_fixture,
     control_plane_fixture,
 )
+from tests.kube_double import KubeDouble
 from tests.kube_kubelet import finish_pod, hold_pod, start_pod
 
 JOB = "mnist"
@@ -740,3 +743,37 @@ async def test_activities_run_in_a_temporal_worker(
             result = await asyncio.wait_for(handle.result(), 30)
     assert result.outcome == "completed"
     assert pods(core) == {} and core.list_namespaced_service(NS).items == []
+
+
+def test_the_control_annotation_reaches_the_library_through_the_downward_api(
+    tmp_path: Path, ckpt: str
+) -> None:
+    """On tests/kube_double.py, for the one step the real control plane here cannot take:
+    the kubelet's downwardAPI refresh, which turns the pod's `spotrain.io/control` annotation
+    into the file the training library polls. The double renders the pod's volume item as the
+    kubelet would; the real library, in its own process with the pod's environment, reads it."""
+    double = KubeDouble()
+    with double.serve():
+        double.add_node("ip-10-0-0-1", "i-0aaa")
+        runtime = KubeRuntime(NS, double.api_client(), gang_timeout_s=5, ack_poll_s=0.05)
+        run(runtime.start_generation, plan_for(ckpt, nodes=1))
+        pod = double.get("pods", NS, "mnist-g1-0")
+        assert pod is not None
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        control = tmp_path / env["SPOTRAIN_CONTROL_FILE"].lstrip("/")
+        control.parent.mkdir(parents=True)
+
+        def rank_sees_event() -> bool:
+            control.write_text(double.projected_file(NS, "mnist-g1-0", "control"))  # kubelet
+            probe = "from spotrain.workers import elastic; print(elastic.elastic_event_detected())"
+            local = env | {"SPOTRAIN_CONTROL_FILE": str(control)}
+            out = subprocess.run(
+                [sys.executable, "-c", probe], env=os.environ | local, capture_output=True
+            )
+            return out.stdout.strip() == b"True"
+
+        assert not rank_sees_event()
+        stopping = in_thread(runtime.stop_generation, stop_request(ckpt, world_size=1))
+        wait_until(rank_sees_event)
+        JobStore(ckpt).write_ack(1, 0, step=40, time=time.time())
+        assert stopping.result(timeout=10).acked_ranks == [0]
