@@ -592,7 +592,7 @@ def control_plane_or_skip() -> Path:
     except MissingBinaries as err:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must test against the real control plane: {err}")
-        pytest.skip(f"no Kubernetes control plane built ({err}): run {BUILD.relative_to(ROOT)}")
+        pytest.skip(f"no Kubernetes control plane: {err}")
 
 
 @pytest.fixture(scope="session", name="control_plane")
@@ -621,7 +621,8 @@ def main() -> None:
         print(f"  worker:  KUBECONFIG={worker}")
         print(f"  webhook: KUBECONFIG={webhook}")
         print("Ctrl-C stops etcd, kube-apiserver, kube-scheduler and kwok.", flush=True)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        for stop in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job ignores it
+            signal.signal(stop, signal.default_int_handler)
         try:
             while True:
                 time.sleep(3600)
