@@ -7,7 +7,8 @@ What each test checks of the runtime's requests comes from the apiserver's audit
 kwok's nodes turn Running and Ready without running anything; the test plays the kubelet's
 part where a pod's containers must exit or fail (tests/kube_kubelet.py, labelled there).
 Activities run in temporalio's ActivityEnvironment (real heartbeats); the checkpoint store is
-real files under tmp_path.
+real files under tmp_path. The last test alone runs on the in-process double
+(tests/kube_double.py), for the kubelet's downwardAPI refresh, which cannot run here.
 """
 
 from __future__ import annotations
