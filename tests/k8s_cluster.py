@@ -19,8 +19,6 @@ Run `python -m tests.k8s_cluster` to start one and keep it until Ctrl-C (README)
 
 from __future__ import annotations
 
-import base64
-import datetime as dt
 import ipaddress
 import json
 import os
@@ -41,13 +39,12 @@ from typing import Any
 import pytest
 import yaml
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 from kubernetes import client, config, utils
 
 from spotrain.workers.stack import _die_with_parent as die_with_parent
 from spotrain.workers.stack import free_port
+from tests.k8s_certs import b64, dn, issue_cert, new_key, pem_key
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "infra/k8s/controlplane/build.sh"
@@ -166,55 +163,6 @@ def binaries(build: bool = False) -> Path:
     return found
 
 
-# --- certificates --------------------------------------------------------------------------
-
-
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
-def _cert(
-    subject: x509.Name,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
-    *,
-    sans: list[x509.GeneralName] | None = None,
-) -> x509.Certificate:
-    now = dt.datetime.now(dt.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer[0].subject if issuer else subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=2))
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    return builder.sign(issuer[1] if issuer else key, hashes.SHA256())
-
-
-def _name(cn: str, org: str | None = None) -> x509.Name:
-    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
-    if org:
-        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
-    return x509.Name(attrs)
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
 # --- the control plane ---------------------------------------------------------------------
 
 
@@ -227,8 +175,8 @@ class ControlPlane:
         self.etcd_url = ""
         self.url = ""
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self._ca_key = _key()
-        self._ca = _cert(_name("spotrain-test-ca"), self._ca_key, None)
+        self._ca_key = new_key()
+        self._ca = issue_cert(dn("spotrain-test-ca"), self._ca_key, None)
         self.ca_file = self._write("ca.crt", self._ca.public_bytes(serialization.Encoding.PEM))
         self.audit_log = work / "audit.log"
 
@@ -249,11 +197,11 @@ class ControlPlane:
         return path
 
     def _issue(self, name: str, subject: x509.Name, sans: list[x509.GeneralName] | None = None):
-        key = _key()
-        cert = _cert(subject, key, (self._ca, self._ca_key), sans=sans)
+        key = new_key()
+        cert = issue_cert(subject, key, (self._ca, self._ca_key), sans=sans)
         return (
             self._write(f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM)),
-            self._write(f"{name}.key", _pem_key(key)),
+            self._write(f"{name}.key", pem_key(key)),
         )
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -313,12 +261,12 @@ class ControlPlane:
             x509.DNSName("kubernetes.default.svc"),
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         ]
-        serving = self._issue("apiserver", _name("kube-apiserver"), sans)
-        sa_key = _key()
+        serving = self._issue("apiserver", dn("kube-apiserver"), sans)
+        sa_key = new_key()
         sa_pub = sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
-        self._write("sa.key", _pem_key(sa_key))
+        self._write("sa.key", pem_key(sa_key))
         self._write("sa.pub", sa_pub)
         self.url = f"https://127.0.0.1:{api_port}"
         self._spawn(
@@ -349,11 +297,11 @@ class ControlPlane:
                 "--audit-log-mode=blocking",
             ],
         )
-        self.admin_kubeconfig = self._cert_kubeconfig("admin", _name("admin", "system:masters"))
+        self.admin_kubeconfig = self._cert_kubeconfig("admin", dn("admin", "system:masters"))
         self.admin = self.api_client(self.admin_kubeconfig)
         self._wait("kube-apiserver", self._ready, timeout=180)
 
-        scheduler = self._cert_kubeconfig("scheduler", _name("system:kube-scheduler"))
+        scheduler = self._cert_kubeconfig("scheduler", dn("system:kube-scheduler"))
         self._spawn(
             "kube-scheduler",
             [
@@ -364,7 +312,7 @@ class ControlPlane:
             ],
         )
         stages = self._write("kwok-stages.yaml", KWOK_STAGES)
-        kwok = self._cert_kubeconfig("kwok", _name("kwok", "system:masters"))
+        kwok = self._cert_kubeconfig("kwok", dn("kwok", "system:masters"))
         self._spawn(
             "kwok",
             [
@@ -415,7 +363,7 @@ class ControlPlane:
                     "name": "spotrain-test",
                     "cluster": {
                         "server": self.url,
-                        "certificate-authority-data": _b64(self.ca_file.read_bytes()),
+                        "certificate-authority-data": b64(self.ca_file.read_bytes()),
                     },
                 }
             ],
@@ -428,8 +376,8 @@ class ControlPlane:
     def _cert_kubeconfig(self, name: str, subject: x509.Name) -> Path:
         crt, key = self._issue(name, subject)
         user = {
-            "client-certificate-data": _b64(crt.read_bytes()),
-            "client-key-data": _b64(key.read_bytes()),
+            "client-certificate-data": b64(crt.read_bytes()),
+            "client-key-data": b64(key.read_bytes()),
         }
         return self._kubeconfig(name, user)
 

@@ -21,14 +21,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-import yaml
-from kubernetes import client, utils, watch
+from kubernetes import client
 from temporalio import workflow
 from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
@@ -41,128 +40,34 @@ from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
     GenerationPlan,
-    Member,
-    StopRequest,
     WatchRequest,
     WatchResult,
 )
-from tests.k8s_cluster import NAMESPACE as NS
-from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
-    ControlPlane,
-    Request,
-    cluster_fixture,
-    control_plane_fixture,
-)
+from tests.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
 from tests.kube_double import KubeDouble
 from tests.kube_kubelet import finish_pod, hold_pod, start_pod
-
-JOB = "mnist"
-NODES = {"ip-10-0-0-1": "i-0aaa", "ip-10-0-0-2": "i-0bbb", "ip-10-0-0-3": "i-0ccc"}
-SPOT_TAINT = {"key": "karpenter.sh/capacity-type", "value": "spot", "effect": "NoSchedule"}
-WORKER = "system:serviceaccount:spotrain:spotrain-worker"
-ROOT = Path(__file__).resolve().parent.parent
-R = TypeVar("R")
-
-
-def add_nodes(cluster: ControlPlane, fake: bool = True) -> None:
-    for name, iid in NODES.items():
-        cluster.add_node(name, iid, taints=[SPOT_TAINT], gpus=8, fake=fake)
-
-
-@pytest.fixture
-def kube(cluster: ControlPlane) -> ControlPlane:
-    """The cluster with three spot nodes that kwok keeps Ready."""
-    add_nodes(cluster)
-    return cluster
-
-
-@pytest.fixture
-def core(cluster: ControlPlane) -> client.CoreV1Api:
-    """The admin's view, for setting up and inspecting (never the runtime's)."""
-    return client.CoreV1Api(cluster.admin)
-
-
-@pytest.fixture
-def worker_client(cluster: ControlPlane) -> client.ApiClient:
-    return cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
-
-
-@pytest.fixture
-def runtime(worker_client: client.ApiClient) -> KubeRuntime:
-    return KubeRuntime(NS, worker_client, gang_timeout_s=30, watch_s=1, ack_poll_s=0.05)
-
-
-@pytest.fixture
-def audit(cluster: ControlPlane) -> Callable[[], list[Request]]:
-    """The runtime's requests since the test began, from the apiserver's audit log."""
-    mark = cluster.audit_mark()
-    return lambda: cluster.requests(WORKER, mark)
-
-
-def plan_for(ckpt: str, generation: int = 1, nodes: int = 3, **kw: Any) -> GenerationPlan:
-    members = [Member(node_id=iid, address="unused") for iid in list(NODES.values())[:nodes]]
-    fields: dict[str, Any] = {
-        "job": JOB,
-        "generation": generation,
-        "members": members,
-        "command": ["python", "train.py"],
-        "image": "ghcr.io/example/train:1",
-        "checkpoint": ckpt,
-        "total_steps": 100,
-    }
-    return GenerationPlan(**{**fields, **kw})
-
-
-def run(fn: Callable[..., R], *args: Any) -> R:
-    return ActivityEnvironment().run(fn, *args)
-
-
-def in_thread(fn: Callable[..., R], *args: Any) -> Future[R]:
-    return ThreadPoolExecutor(1).submit(run, fn, *args)
-
-
-def pods(core: client.CoreV1Api, selector: str = "", ns: str = NS) -> dict[str, client.V1Pod]:
-    return {p.metadata.name: p for p in core.list_namespaced_pod(ns, label_selector=selector).items}
-
-
-def wait_until(check: Callable[[], Any], timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-    return found
-
-
-def bound(core: client.CoreV1Api, name: str) -> bool:
-    """The scheduler bound the pod to a node."""
-    pod = pods(core).get(name)
-    return pod is not None and pod.spec.node_name is not None
-
-
-def env_of(pod: client.V1Pod) -> dict[str, str]:
-    return {e.name: e.value for e in pod.spec.containers[0].env}
-
-
-def deletes(requests: list[Request], resource: str = "pods") -> list[tuple[str, str]]:
-    """(name, gracePeriodSeconds) of each delete the runtime sent, in order."""
-    found = []
-    for r in requests:
-        if r.verb == "delete" and r.resource == resource:
-            grace = r.uri.split("gracePeriodSeconds=")[1].split("&")[0] if "grace" in r.uri else ""
-            found.append((r.name, grace))
-    return found
-
-
-def stop_request(ckpt: str, **kw: Any) -> StopRequest:
-    defaults: dict[str, Any] = dict(
-        job=JOB, generation=1, world_size=3, checkpoint=ckpt, graceful=True, grace_s=5
-    )
-    return StopRequest(**{**defaults, **kw})
-
-
-@pytest.fixture
-def ckpt(tmp_path: Path) -> str:
-    return f"file://{tmp_path}/ckpt"
+from tests.kube_support import (  # noqa: F401 (fixtures)
+    JOB,
+    NS,
+    SPOT_TAINT,
+    ack_on_stop,
+    add_nodes,
+    audit_fixture,
+    bound,
+    ckpt_fixture,
+    core_fixture,
+    deletes,
+    env_of,
+    in_thread,
+    kube_fixture,
+    plan_for,
+    pods,
+    run,
+    runtime_fixture,
+    stop_request,
+    wait_until,
+    worker_client_fixture,
+)
 
 
 def test_gang_start_waits_for_every_pod_ready(
@@ -306,26 +211,6 @@ def test_server_side_validation_is_a_config_error_naming_the_field(
     assert pods(core) == {}
 
 
-def ack_on_stop(core: client.CoreV1Api, ckpt: str, ranks: dict[str, list[int]]) -> None:
-    """Stand-in for the training processes and their kubelet: once a pod's control annotation
-    says stop (what its downwardAPI file would show), its ranks checkpoint (ack) and its
-    container exits 0."""
-
-    def worker() -> None:
-        waiting = dict(ranks)
-        deadline = time.monotonic() + 20
-        while waiting and time.monotonic() < deadline:
-            for name in list(waiting):
-                pod = core.read_namespaced_pod(name, NS)
-                if (pod.metadata.annotations or {}).get("spotrain.io/control") == "stop":
-                    for rank in waiting.pop(name):
-                        JobStore(ckpt).write_ack(1, rank, step=40, time=time.time())
-                    finish_pod(core, NS, name, 0)
-            time.sleep(0.05)
-
-    threading.Thread(target=worker, daemon=True).start()
-
-
 def test_graceful_stop_raises_event_waits_for_acks_then_deletes_with_grace(
     kube: ControlPlane,
     core: client.CoreV1Api,
@@ -424,265 +309,6 @@ def test_pods_on_a_vanished_node_are_lost_without_being_named(
     result = run(runtime.stop_generation, stop_request(ckpt, grace_s=5))
     assert deletes(audit())[0] == ("mnist-g1-0", "0")
     assert result.acked_ranks == [1, 2] and not result.forced
-
-
-def watch_request(ckpt: str, report_after_s: float = 20) -> WatchRequest:
-    return WatchRequest(
-        job=JOB, generation=1, world_size=3, checkpoint=ckpt, report_after_s=report_after_s
-    )
-
-
-def test_watch_reports_progress_then_completion(
-    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
-) -> None:
-    run(runtime.start_generation, plan_for(ckpt))
-    store = JobStore(ckpt)
-    store.write_progress(1, step=17, time=time.time())
-    store.write_latest_checkpoint(10, "ckpt/step-10")
-    t0 = time.monotonic()
-    result = run(runtime.watch_generation, watch_request(ckpt, report_after_s=1))
-    assert 1 <= time.monotonic() - t0 < 5
-    assert (result.outcome, result.step, result.checkpoint_step) == ("progress", 17, 10)
-
-    watching = in_thread(runtime.watch_generation, watch_request(ckpt))
-    store.write_done(step=100, time=time.time())
-    for i in range(3):
-        finish_pod(core, NS, f"mnist-g1-{i}", 0)
-    result = watching.result(timeout=10)
-    assert result.outcome == "completed" and result.exit_codes == {0: 0, 1: 0, 2: 0}
-
-
-def test_watch_fails_on_nonzero_exit(
-    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
-) -> None:
-    run(runtime.start_generation, plan_for(ckpt))
-    watching = in_thread(runtime.watch_generation, watch_request(ckpt))
-    finish_pod(core, NS, "mnist-g1-2", 3)
-    result = watching.result(timeout=10)
-    assert result.outcome == "failed" and result.exit_codes == {2: 3}
-
-
-def test_watch_fails_when_a_pod_is_deleted(
-    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
-) -> None:
-    """An operator's `kubectl delete pod` (30 s of grace): the pod is Terminating long before
-    it vanishes, and the watch fails at the first sign, not 30 s later."""
-    run(runtime.start_generation, plan_for(ckpt))
-    watching = in_thread(runtime.watch_generation, watch_request(ckpt))
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    core.delete_namespaced_pod("mnist-g1-1", NS)
-    result = watching.result(timeout=20)
-    assert time.monotonic() - t0 < 10
-    assert result.outcome == "failed" and "mnist-g1-1" in result.detail
-
-
-def test_watch_fails_when_the_node_is_gone(
-    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
-) -> None:
-    run(runtime.start_generation, plan_for(ckpt))
-    watching = in_thread(runtime.watch_generation, watch_request(ckpt))
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    core.delete_node("ip-10-0-0-3")  # no pod event: only the node object disappears
-    result = watching.result(timeout=10)
-    assert time.monotonic() - t0 < 5  # noticed within a few watch_s ticks
-    assert result.outcome == "failed" and "ip-10-0-0-3" in result.detail
-
-
-def test_watch_survives_410_gone_by_listing_again(
-    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
-) -> None:
-    """etcd compacted past the watch's resourceVersion (a quiet generation outlives the
-    apiserver's 5-minute compaction): the next watch answers 410 Gone; the runtime lists again
-    and goes on watching, instead of failing the activity."""
-    run(runtime.start_generation, plan_for(ckpt))
-    seen = core.list_namespaced_pod(NS).metadata.resource_version
-    watching = in_thread(runtime.watch_generation, watch_request(ckpt, report_after_s=30))
-    time.sleep(1.5)
-    for _ in range(2):  # move etcd's revision past the pods' last change
-        core.create_namespaced_config_map(
-            "default", {"metadata": {"name": f"tick-{uuid.uuid4().hex[:6]}"}}
-        )
-    kube.compact_etcd()
-    with pytest.raises(client.ApiException) as gone:  # what the runtime's next watch meets
-        for _ in watch.Watch().stream(
-            core.list_namespaced_pod, NS, resource_version=seen, timeout_seconds=1
-        ):
-            pass
-    assert gone.value.status == 410
-    time.sleep(2.5)  # the runtime's next watch (watch_s=1) starts from a compacted version
-    assert not watching.done()
-    JobStore(ckpt).write_done(step=100, time=time.time())
-    for i in range(3):
-        finish_pod(core, NS, f"mnist-g1-{i}", 0)
-    assert watching.result(timeout=15).outcome == "completed"
-
-
-def hostfile_hosts(core: client.CoreV1Api) -> list[str]:
-    cm = core.read_namespaced_config_map("spotrain-mnist-hosts", NS)
-    script = cm.data["discover_hosts.sh"]
-    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True)
-    listed = [line.split(" ")[0] for line in cm.data["hostfile"].splitlines()]
-    assert [line.rsplit(":", 1)[0] for line in out.stdout.splitlines()] == listed
-    return out.stdout.splitlines()
-
-
-def test_horovod_hostfile_follows_scale_in_and_out(
-    kube: ControlPlane,
-    core: client.CoreV1Api,
-    runtime: KubeRuntime,
-    audit: Callable[[], list[Request]],
-    ckpt: str,
-) -> None:
-    svc = "spotrain-mnist.spotrain.svc"
-    run(runtime.start_generation, plan_for(ckpt, generation=1, nodes=3, job_type="horovod"))
-    assert hostfile_hosts(core) == [f"mnist-g1-{i}.{svc}:1" for i in range(3)]
-    pod = core.read_namespaced_pod("mnist-g1-0", NS)
-    assert env_of(pod)["SPOTRAIN_DISCOVER_HOSTS"] == "/etc/spotrain/hosts/discover_hosts.sh"
-    mounted = [v.config_map for v in pod.spec.volumes if v.config_map]
-    assert [(v.name, v.default_mode) for v in mounted] == [("spotrain-mnist-hosts", 0o755)]
-
-    run(runtime.stop_generation, stop_request(ckpt, graceful=False))
-    run(runtime.start_generation, plan_for(ckpt, generation=2, nodes=2, job_type="horovod"))
-    assert hostfile_hosts(core) == [f"mnist-g2-{i}.{svc}:1" for i in range(2)]  # scale in
-
-    run(runtime.stop_generation, stop_request(ckpt, generation=2, graceful=False))
-    plan = plan_for(ckpt, generation=3, nodes=3, job_type="horovod")
-    plan.members[2].procs = 2
-    run(runtime.start_generation, plan)
-    assert hostfile_hosts(core) == [  # scale out
-        f"mnist-g3-0.{svc}:1",
-        f"mnist-g3-1.{svc}:1",
-        f"mnist-g3-2.{svc}:2",
-    ]
-    cm = core.read_namespaced_config_map("spotrain-mnist-hosts", NS)
-    assert cm.metadata.labels["spotrain.io/generation"] == "3"
-    writes = [(r.verb, r.code) for r in audit() if r.resource == "configmaps"]
-    update = [("create", 409), ("patch", 200)]  # create-or-update: AlreadyExists, then patch
-    assert writes == [("create", 201), *update, *update]
-
-
-@pytest.mark.parametrize("keep", [False, True])
-def test_cleanup_deletes_the_job_or_keeps_failed_pods(
-    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str, keep: bool
-) -> None:
-    run(runtime.start_generation, plan_for(ckpt, job_type="horovod"))
-    other = plan_for(ckpt, nodes=1).model_copy(update={"job": "other"})
-    run(runtime.start_generation, other)
-    finish_pod(core, NS, "mnist-g1-1", 1)
-    # The fault stops the generation: the failed pod outlives the stop, for debugging.
-    run(runtime.stop_generation, stop_request(ckpt, graceful=False))
-    assert sorted(pods(core)) == ["mnist-g1-1", "other-g1-0"]
-    run(runtime.start_generation, plan_for(ckpt, generation=2, job_type="horovod"))
-    run(runtime.cleanup_job, CleanupRequest(job=JOB, keep=keep))
-    # Deleted with the default grace (30 s): Terminating until kwok's "kubelet" removes them.
-    staying = sorted(n for n, p in pods(core).items() if not p.metadata.deletion_timestamp)
-    assert staying == (["mnist-g1-1", "other-g1-0"] if keep else ["other-g1-0"])
-    services = core.list_namespaced_service(NS).items
-    assert [s.metadata.name for s in services] == ["spotrain-other"]
-    assert core.list_namespaced_config_map(NS, label_selector="spotrain.io/managed").items == []
-    run(runtime.cleanup_job, CleanupRequest(job=JOB, keep=keep))  # idempotent
-
-
-def test_namespace_per_job(
-    kube: ControlPlane, core: client.CoreV1Api, worker_client: client.ApiClient, ckpt: str
-) -> None:
-    """`train-{job}`: the namespace and the Role's binding in it exist beforehand."""
-    kube.ensure_namespace("train-mnist")
-    for doc in yaml.safe_load_all((ROOT / "infra/k8s/rbac.yaml").read_text()):
-        if doc["kind"] in ("Role", "RoleBinding"):
-            doc["metadata"]["namespace"] = "train-mnist"
-            try:
-                utils.create_from_dict(kube.admin, doc, namespace="train-mnist")
-            except utils.FailToCreateError as err:
-                assert all(e.status == 409 for e in err.api_exceptions)
-    runtime = KubeRuntime("train-{job}", worker_client, gang_timeout_s=30, watch_s=1)
-    run(runtime.start_generation, plan_for(ckpt, nodes=1))
-    pod = core.read_namespaced_pod("mnist-g1-0", "train-mnist")
-    assert env_of(pod)["MASTER_ADDR"] == "mnist-g1-0.spotrain-mnist.train-mnist.svc"
-
-
-def test_another_identity_is_forbidden_and_that_is_a_config_error(
-    kube: ControlPlane, ckpt: str
-) -> None:
-    """The webhook's ServiceAccount may only read nodes: the apiserver refuses it the pods."""
-    webhook = kube.api_client(kube.service_account_kubeconfig("spotrain-webhook"))
-    runtime = KubeRuntime(NS, webhook, gang_timeout_s=5, watch_s=1)
-    with pytest.raises(ApplicationError) as info:
-        run(runtime.start_generation, plan_for(ckpt))
-    assert info.value.type == contract.CONFIG_ERROR and info.value.non_retryable
-    assert "403" in str(info.value) and "spotrain-webhook" in str(info.value)
-
-
-def granted(path: Path) -> set[tuple[str, str]]:
-    pairs = set()
-    for doc in yaml.safe_load_all(path.read_text()):
-        if doc and doc["kind"] in ("Role", "ClusterRole") and "spotrain" in doc["metadata"]["name"]:
-            if doc["metadata"]["name"] == "spotrain-node-lookup":
-                continue  # the webhook's
-            for rule in doc["rules"]:
-                pairs |= {(v, r) for v in rule["verbs"] for r in rule["resources"]}
-    return pairs
-
-
-def test_rbac_grants_exactly_the_calls_the_runtime_makes(
-    kube: ControlPlane,
-    core: client.CoreV1Api,
-    runtime: KubeRuntime,
-    audit: Callable[[], list[Request]],
-    ckpt: str,
-) -> None:
-    """Drive every code path that talks to the API as the worker's ServiceAccount; every
-    request was allowed (else it fails above), and the audit log shows each granted
-    (verb, resource) in use: nothing in infra/k8s/rbac.yaml is granted for nothing."""
-    run(runtime.start_generation, plan_for(ckpt, job_type="horovod"))
-    run(runtime.start_generation, plan_for(ckpt, job_type="horovod"))
-    run(runtime.watch_generation, watch_request(ckpt, report_after_s=1))
-    ack_on_stop(core, ckpt, {"mnist-g1-1": [1], "mnist-g1-2": [2]})
-    run(runtime.stop_generation, stop_request(ckpt, lost_node_ids=["i-0aaa"]))
-    run(runtime.cleanup_job, CleanupRequest(job=JOB))
-    requests = audit()
-    assert [r for r in requests if r.code == 403] == []
-    assert {(r.verb, r.resource) for r in requests} == granted(ROOT / "infra/k8s/rbac.yaml")
-
-
-def test_a_verb_missing_from_the_role_fails(
-    kube: ControlPlane, rbac: client.RbacAuthorizationV1Api, runtime: KubeRuntime, ckpt: str
-) -> None:
-    """Real authorization: take `watch` on pods out of the Role and the gang start is refused."""
-    role = rbac.read_namespaced_role("spotrain-runtime", NS)
-    original = client.ApiClient().sanitize_for_serialization(role.rules)
-    stripped = [dict(r, verbs=[v for v in r["verbs"] if v != "watch"]) for r in original]
-    rbac.patch_namespaced_role("spotrain-runtime", NS, {"rules": stripped})
-    try:
-        wait_until(lambda: not may_watch_pods(kube))  # the authorizer's cache catches up
-        with pytest.raises(ApplicationError) as info:
-            run(runtime.start_generation, plan_for(ckpt))
-        assert info.value.type == contract.CONFIG_ERROR
-        assert 'cannot watch resource "pods"' in str(info.value)
-    finally:
-        rbac.patch_namespaced_role("spotrain-runtime", NS, {"rules": original})
-        wait_until(lambda: may_watch_pods(kube))
-
-
-def may_watch_pods(kube: ControlPlane) -> bool:
-    review = client.V1SubjectAccessReview(
-        spec=client.V1SubjectAccessReviewSpec(
-            user=WORKER,
-            groups=["system:serviceaccounts", "system:serviceaccounts:spotrain"],
-            resource_attributes=client.V1ResourceAttributes(
-                namespace=NS, verb="watch", resource="pods"
-            ),
-        )
-    )
-    answer = client.AuthorizationV1Api(kube.admin).create_subject_access_review(review)
-    return bool(answer.status.allowed)
-
-
-@pytest.fixture
-def rbac(cluster: ControlPlane) -> client.RbacAuthorizationV1Api:
-    return client.RbacAuthorizationV1Api(cluster.admin)
 
 
 @workflow.defn
