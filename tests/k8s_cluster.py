@@ -19,6 +19,7 @@ Run `python -m tests.k8s_cluster` to start one and keep it until Ctrl-C (README)
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -466,10 +468,21 @@ class ControlPlane:
 
     def requests(self, user: str, since: int = 0) -> list[Request]:
         """Requests by `user` (e.g. system:serviceaccount:spotrain:spotrain-worker) logged
-        after the audit log's offset `since`, oldest first."""
-        with self.audit_log.open("rb") as log:
-            log.seek(since)
-            lines = log.read().splitlines()
+        after the audit log's offset `since`, oldest first. A request is logged just after its
+        response: a marker request, once logged, shows the log has caught up."""
+        marker = f"audit-marker-{uuid.uuid4().hex}"
+        with contextlib.suppress(client.ApiException):
+            client.CoreV1Api(self.admin).read_namespace(marker)
+        deadline = time.monotonic() + 10
+        while True:
+            with self.audit_log.open("rb") as log:
+                log.seek(since)
+                lines = log.read().splitlines()
+            if any(marker.encode() in line for line in reversed(lines)):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the audit log did not catch up in 10 s")
+            time.sleep(0.05)
         found = []
         for line in lines:
             event = json.loads(line)
