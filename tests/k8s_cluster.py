@@ -207,14 +207,14 @@ class ControlPlane:
         )
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        log = (self.work / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            [str(self.bin / args[0]), *args[1:]],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, killed whole in stop()
-            preexec_fn=die_with_parent,  # and SIGTERM if this process dies without stop()
-        )
+        with (self.work / f"{name}.log").open("wb") as log:  # the child keeps its own copy
+            proc = subprocess.Popen(
+                [str(self.bin / args[0]), *args[1:]],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, killed whole in stop()
+                preexec_fn=die_with_parent,  # and SIGTERM if this process dies without stop()
+            )
         self._procs.append((name, proc))
 
     def log_tail(self, name: str, lines: int = 30) -> str:

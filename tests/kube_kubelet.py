@@ -187,14 +187,14 @@ class LocalKubelet:
                     value = str(local) + value[len(path) :]
                     break
             env[var.name] = value
-        log = (root / "log").open("wb")
-        proc = subprocess.Popen(
-            pod.spec.containers[0].command,
-            env={**os.environ, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with (root / "log").open("wb") as log:
+            proc = subprocess.Popen(
+                pod.spec.containers[0].command,
+                env={**os.environ, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.running[pod.metadata.name] = _Container(proc, root)
         node_id = (pod.metadata.annotations or {}).get("spotrain.io/node-id", "")
         self.started.append((pod.metadata.name, pod.spec.node_name, node_id))
