@@ -29,6 +29,7 @@ watch from its resourceVersion, heartbeating at least every `watch_s` seconds.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 from collections.abc import Callable
@@ -84,7 +85,8 @@ Pods = dict[str, client.V1Pod]
 
 
 def _config_errors(fn: Callable[..., T]) -> Callable[..., T]:
-    """401/403 (RBAC) and 422 (invalid object) will not heal on retry: fail the job clearly."""
+    """401/403 (RBAC) and 422 (invalid object) will not heal on retry: fail the job, quoting
+    the server's reason (which names the refused verb or the invalid field)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> T:
@@ -93,13 +95,21 @@ def _config_errors(fn: Callable[..., T]) -> Callable[..., T]:
         except ApiException as err:
             if err.status in (401, 403, 422):
                 raise ApplicationError(
-                    f"kubernetes API refused ({err.status} {err.reason})",
+                    f"kubernetes API refused ({err.status} {err.reason}): {_message(err)}",
                     type=contract.CONFIG_ERROR,
                     non_retryable=True,
                 ) from err
             raise
 
     return wrapper
+
+
+def _message(err: ApiException) -> str:
+    """The `Status` message the server sent (which names the offending field), else the body."""
+    try:
+        return str(json.loads(err.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(err.body or "")
 
 
 def instance_id(node: client.V1Node) -> str | None:
@@ -332,6 +342,12 @@ class KubeRuntime:
             if any(exited.values()):
                 bad = {r: c for r, c in exited.items() if c}
                 return WatchResult(outcome="failed", exit_codes=exited, detail=f"exit {bad}")
+            # Deleted by someone else (`kubectl delete pod`, a node drain): Terminating for
+            # its grace period before it vanishes, and lost from the moment it was deleted.
+            deleting = sorted(n for n, p in pods.items() if p.metadata.deletion_timestamp)
+            if deleting:
+                detail = f"pod(s) being deleted: {deleting}"
+                return WatchResult(outcome="failed", exit_codes=exited, detail=detail)
             expected = int(next(iter(pods.values())).metadata.annotations[MEMBERS])
             if len(pods) < expected:
                 detail = f"{expected - len(pods)} pod(s) vanished"
@@ -533,9 +549,7 @@ class KubeRuntime:
         """List the pods, then watch them from the list's resourceVersion until `decide`
         returns non-None or `deadline` passes. `decide` runs on every change (and, with
         `periodic`, every `watch_s` too, for what pods' events do not show: nodes going)."""
-        listing = self.core.list_namespaced_pod(ns, label_selector=selector)
-        pods: Pods = {p.metadata.name: p for p in listing.items}
-        version = listing.metadata.resource_version
+        pods, version = self._list_pods(ns, selector)
         result = decide(pods)
         while result is None:
             activity.heartbeat()
@@ -551,21 +565,33 @@ class KubeRuntime:
                 timeout_seconds=timeout,
                 _request_timeout=timeout + 10,
             )
-            for event in events:
-                pod = event["object"]
-                version = pod.metadata.resource_version
-                if event["type"] == "DELETED":
-                    pods.pop(pod.metadata.name, None)
-                else:
-                    pods[pod.metadata.name] = pod
-                activity.heartbeat()
-                result = decide(pods)
-                if result is not None:
-                    break
-            else:
-                if periodic:
+            try:
+                for event in events:
+                    pod = event["object"]
+                    version = pod.metadata.resource_version
+                    if event["type"] == "DELETED":
+                        pods.pop(pod.metadata.name, None)
+                    else:
+                        pods[pod.metadata.name] = pod
+                    activity.heartbeat()
                     result = decide(pods)
+                    if result is not None:
+                        break
+                else:
+                    if periodic:
+                        result = decide(pods)
+            except ApiException as err:
+                if err.status != 410:
+                    raise
+                # 410 Gone: etcd compacted past `version` (a quiet watch outlived the
+                # apiserver's compaction interval): start again from a fresh list.
+                pods, version = self._list_pods(ns, selector)
+                result = decide(pods)
         return result, pods
+
+    def _list_pods(self, ns: str, selector: str) -> tuple[Pods, str]:
+        listing = self.core.list_namespaced_pod(ns, label_selector=selector)
+        return {p.metadata.name: p for p in listing.items}, listing.metadata.resource_version
 
 
 _ENDED = ("Succeeded", "Failed")

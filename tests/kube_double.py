@@ -1,8 +1,10 @@
 """An in-process HTTP double of the kube-apiserver paths spotrain's Kubernetes runtime calls.
 
-It is a DOUBLE, not a cluster: no kube-apiserver (nor kind, k3s, minikube) can run on these
-machines. The runtime under test talks to it through the official `kubernetes` client over real
-HTTP on a loopback port, so the same code runs unchanged against a real cluster.
+The Kubernetes tests run against a real control plane (tests/k8s_cluster.py). This double is
+kept only for what that control plane cannot do here: a kubelet's downwardAPI refresh
+(`projected_file`; tests/test_kube_runtime.py), and for tests that need a node lookup without
+building the control plane (tests/test_webhook.py). The runtime talks to it through the
+official `kubernetes` client over real HTTP on a loopback port.
 
 What it keeps like the real server: objects per (resource, namespace, name), a global
 monotonically increasing resourceVersion, uid and creationTimestamp, 409 AlreadyExists on
@@ -14,17 +16,10 @@ create/get/list/watch/patch/delete of pods, services and configmaps in a namespa
 of nodes.
 
 What stands in for the rest of the control plane (clearly simplified):
-- a scheduler: a pod binds to the node whose labels match its `nodeSelector` and whose
-  NoSchedule/NoExecute taints it tolerates; otherwise it stays Pending with the
-  `PodScheduled=False, reason=Unschedulable` condition and a kube-style message;
-- a kubelet: a bound pod becomes Running and Ready at once (`auto_start`), or is held in
-  ContainerCreating until `start_pod`, or waits with a fault set for its node
-  (`kubelet_faults`, e.g. ErrImagePull); `finish_pod` terminates its container;
-  `projected_file` renders a downwardAPI volume file the way the kubelet writes it;
-- deletion is immediate (no terminating phase); the grace period asked for is recorded in
-  `deletes` so tests can check it.
-
-Every request is recorded as a Kubernetes RBAC (verb, resource) pair in `calls`.
+- a scheduler: a pod binds to the node whose labels match its `nodeSelector`;
+- a kubelet: a bound pod becomes Running and Ready at once; `projected_file` renders a
+  downwardAPI volume file the way the kubelet writes it;
+- deletion is immediate (no terminating phase).
 """
 
 from __future__ import annotations
@@ -83,17 +78,6 @@ def _matches(labels: dict[str, str], selector: str | None) -> bool:
     return True
 
 
-def _tolerates(tolerations: list[dict[str, Any]], taint: dict[str, Any]) -> bool:
-    for t in tolerations:
-        if t.get("key") not in (None, taint["key"]):
-            continue
-        if t.get("effect") not in (None, "", taint.get("effect")):
-            continue
-        if t.get("operator", "Equal") == "Exists" or t.get("value") == taint.get("value"):
-            return True
-    return False
-
-
 class ApiError(Exception):
     def __init__(self, code: int, reason: str, message: str) -> None:
         super().__init__(message)
@@ -119,12 +103,6 @@ class KubeDouble:
         self._objects: dict[Key, dict[str, Any]] = {}
         self._events: list[tuple[int, Key, str, dict[str, Any]]] = []
         self._closing = False
-        self.calls: list[tuple[str, str]] = []
-        self.deletes: list[tuple[str, str, int | None]] = []  # (resource, name, grace seconds)
-        self.patches: list[tuple[str, str, str]] = []  # (resource, name, content type)
-        self.deny: set[tuple[str, str]] = set()  # (verb, resource) answered 403 Forbidden
-        self.auto_start = True
-        self.kubelet_faults: dict[str, tuple[str, str]] = {}  # node -> (reason, message)
         self.url = ""
 
     # --- HTTP ------------------------------------------------------------------------------
@@ -184,10 +162,6 @@ class KubeDouble:
             watching = query.get("watch", "").lower() == "true"
             verb = {"POST": "create", "PATCH": "patch", "DELETE": "delete"}.get(method)
             verb = verb or ("get" if name else "watch" if watching else "list")
-            with self._cond:
-                self.calls.append((verb, resource))
-            if (verb, resource) in self.deny:
-                raise ApiError(403, "Forbidden", f'cannot {verb} resource "{resource}"')
             if resource == "nodes" and verb not in ("get", "list"):
                 raise ApiError(405, "MethodNotAllowed", "the double serves nodes read-only")
             if verb == "watch":
@@ -230,14 +204,11 @@ class KubeDouble:
                 return 200, copy.deepcopy(obj)
             if verb == "patch":
                 content_type = h.headers.get("Content-Type", "")
-                self.patches.append((resource, name, content_type))
                 if content_type != "application/merge-patch+json":
                     raise ApiError(415, "UnsupportedMediaType", f"double: {content_type}")
                 patched = merge_patch(obj, body)
                 patched["metadata"]["name"] = name
                 return 200, self._store((resource, ns, name), patched, "MODIFIED")
-            grace = query.get("gracePeriodSeconds") or (body or {}).get("gracePeriodSeconds")
-            self.deletes.append((resource, name, None if grace is None else int(grace)))
             return 200, self._delete((resource, ns, name))
 
     def _watch(
@@ -334,13 +305,7 @@ class KubeDouble:
 
     # --- scheduler and kubelet stand-ins ---------------------------------------------------
 
-    def add_node(
-        self,
-        name: str,
-        instance_id: str,
-        zone: str = "us-east-1a",
-        taints: list[dict[str, Any]] | None = None,
-    ) -> None:
+    def add_node(self, name: str, instance_id: str, zone: str = "us-east-1a") -> None:
         """Register a node the way an EKS kubelet does: providerID `aws:///<zone>/<id>`."""
         node = {
             "metadata": {
@@ -350,108 +315,40 @@ class KubeDouble:
                     "topology.kubernetes.io/zone": zone,
                 },
             },
-            "spec": {"providerID": f"aws:///{zone}/{instance_id}", "taints": taints or []},
+            "spec": {"providerID": f"aws:///{zone}/{instance_id}", "taints": []},
             "status": {"conditions": [{"type": "Ready", "status": "True"}]},
         }
         with self._cond:
             self._create("nodes", "", node)
 
-    def remove_node(self, name: str) -> None:
-        """The node object is deleted (instance terminated); its pods are left to pod GC."""
-        with self._cond:
-            self._delete(("nodes", "", name))
-
     def _schedule(self, key: Key) -> None:
+        """Bind to the node its nodeSelector names; the kubelet starts it at once."""
         pod = copy.deepcopy(self._objects[key])
         spec = pod["spec"]
-        nodes = [o for (res, _, _), o in sorted(self._objects.items()) if res == "nodes"]
-        for node in nodes:
-            fits = _matches(
-                node["metadata"]["labels"],
-                ",".join(f"{k}={v}" for k, v in (spec.get("nodeSelector") or {}).items()),
-            )
-            taints = [
-                t
-                for t in node["spec"].get("taints") or []
-                if t.get("effect") in ("NoSchedule", "NoExecute")
-            ]
-            if fits and all(_tolerates(spec.get("tolerations") or [], t) for t in taints):
-                spec["nodeName"] = node["metadata"]["name"]
-                pod["status"] = self._kubelet_status(pod)
+        selector = ",".join(f"{k}={v}" for k, v in (spec.get("nodeSelector") or {}).items())
+        for (res, _, name), node in sorted(self._objects.items()):
+            if res == "nodes" and _matches(node["metadata"]["labels"], selector):
+                spec["nodeName"] = name
+                pod["status"] = {
+                    "phase": "Running",
+                    "conditions": [
+                        {"type": "PodScheduled", "status": "True"},
+                        {"type": "Ready", "status": "True"},
+                    ],
+                    "containerStatuses": [
+                        {
+                            "name": c["name"],
+                            "image": c.get("image", ""),
+                            "imageID": "",
+                            "ready": True,
+                            "restartCount": 0,
+                            "state": {"running": {"startedAt": _now()}},
+                        }
+                        for c in spec["containers"]
+                    ],
+                }
                 self._store(key, pod, "MODIFIED")
                 return
-        pod["status"]["conditions"] = [
-            {
-                "type": "PodScheduled",
-                "status": "False",
-                "reason": "Unschedulable",
-                "message": f"0/{len(nodes)} nodes are available: {len(nodes)} node(s) didn't "
-                "match Pod's node affinity/selector or had untolerated taints.",
-            }
-        ]
-        self._store(key, pod, "MODIFIED")
-
-    def _kubelet_status(self, pod: dict[str, Any]) -> dict[str, Any]:
-        fault = self.kubelet_faults.get(pod["spec"]["nodeName"])
-        if fault or not self.auto_start:
-            reason, message = fault or ("ContainerCreating", "")
-            return {
-                "phase": "Pending",
-                "conditions": [{"type": "PodScheduled", "status": "True"}],
-                "containerStatuses": [
-                    {
-                        "name": c["name"],
-                        "image": c.get("image", ""),
-                        "imageID": "",
-                        "ready": False,
-                        "restartCount": 0,
-                        "state": {"waiting": {"reason": reason, "message": message}},
-                    }
-                    for c in pod["spec"]["containers"]
-                ],
-            }
-        return self._container_status(pod, "Running", {"running": {"startedAt": _now()}})
-
-    @staticmethod
-    def _container_status(pod: dict[str, Any], phase: str, state: dict[str, Any]) -> dict[str, Any]:
-        ready = "True" if phase == "Running" else "False"
-        return {
-            "phase": phase,
-            "conditions": [
-                {"type": "PodScheduled", "status": "True"},
-                {"type": "Ready", "status": ready},
-            ],
-            "containerStatuses": [
-                {
-                    "name": c["name"],
-                    "image": c.get("image", ""),
-                    "imageID": "",
-                    "ready": ready == "True",
-                    "restartCount": 0,
-                    "state": state,
-                }
-                for c in pod["spec"]["containers"]
-            ],
-        }
-
-    def start_pod(self, ns: str, name: str) -> None:
-        """The kubelet started the containers: Running and Ready."""
-        with self._cond:
-            pod = copy.deepcopy(self._get(("pods", ns, name)))
-            state = {"running": {"startedAt": _now()}}
-            pod["status"] = self._container_status(pod, "Running", state)
-            self._store(("pods", ns, name), pod, "MODIFIED")
-
-    def finish_pod(self, ns: str, name: str, exit_code: int) -> None:
-        """The container exited: Succeeded on 0, Failed otherwise (restartPolicy Never)."""
-        with self._cond:
-            pod = copy.deepcopy(self._get(("pods", ns, name)))
-            phase = "Succeeded" if exit_code == 0 else "Failed"
-            state = {"terminated": {"exitCode": exit_code, "reason": "Completed"}}
-            if exit_code:
-                state["terminated"]["reason"] = "Error"
-            pod["status"] = self._container_status(pod, phase, state)
-            self._store(("pods", ns, name), pod, "MODIFIED")
 
     # --- inspection ------------------------------------------------------------------------
 
@@ -459,15 +356,6 @@ class KubeDouble:
         with self._cond:
             obj = self._objects.get((resource, ns, name))
             return copy.deepcopy(obj)
-
-    def list(self, resource: str, ns: str, selector: str | None = None) -> list[dict[str, Any]]:
-        with self._cond:
-            return self._select(resource, ns, selector)
-
-    def events(self, resource: str, name: str) -> list[str]:
-        """Watch event types recorded for one object, oldest first."""
-        with self._cond:
-            return [kind for _, key, kind, _ in self._events if key[0::2] == (resource, name)]
 
     def projected_file(self, ns: str, pod: str, path: str) -> str:
         """The content the kubelet writes for a downwardAPI volume item of this pod."""

@@ -1,0 +1,98 @@
+"""The real control plane itself (tests/k8s_cluster.py), the deployment's manifests as the
+apiserver sees them, and the webhook's node lookup as its own ServiceAccount."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client, utils
+from kubernetes.client.exceptions import ApiException
+
+from spotrain.activities.kube import instance_id
+from spotrain.workers.webhook import NodeNames
+from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
+    NAMESPACE,
+    ControlPlane,
+    cluster_fixture,
+    control_plane_fixture,
+)
+
+K8S = Path(__file__).resolve().parent.parent / "infra/k8s"
+WEBHOOK = "system:serviceaccount:spotrain:spotrain-webhook"
+
+
+def test_fake_eks_nodes_are_kept_ready_by_kwok(cluster: ControlPlane) -> None:
+    cluster.add_node("ip-10-0-1-5.ec2.internal", "i-0123456789abcdef0", zone="us-east-1b")
+    core = client.CoreV1Api(cluster.admin)
+    deadline = time.monotonic() + 30
+    while True:
+        node = core.read_node("ip-10-0-1-5.ec2.internal")
+        ready = [c.status for c in node.status.conditions or [] if c.type == "Ready"]
+        if ready == ["True"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert ready == ["True"]
+    assert node.spec.provider_id == "aws:///us-east-1b/i-0123456789abcdef0"
+    assert node.metadata.labels["topology.kubernetes.io/zone"] == "us-east-1b"
+    assert instance_id(node) == "i-0123456789abcdef0"
+
+
+@pytest.mark.parametrize("manifest", ["worker.yaml", "webhook.yaml"])
+def test_deployments_pass_server_side_validation(cluster: ControlPlane, manifest: str) -> None:
+    """`kubectl apply --dry-run=server` with strict field validation: the apiserver's own
+    checks (and admission) of infra/k8s, beyond what the client's models can tell."""
+    created = utils.create_from_yaml(
+        cluster.admin, str(K8S / manifest), dry_run="All", field_validation="Strict"
+    )
+    kinds = [d["kind"] for d in yaml.safe_load_all((K8S / manifest).read_text()) if d]
+    assert "Deployment" in kinds
+    assert [o.kind for group in created for o in group] == kinds  # each one accepted
+
+
+async def test_webhook_resolves_node_names_as_its_own_service_account(
+    cluster: ControlPlane,
+) -> None:
+    """The webhook's node lookup (workers/webhook.py) with the token of `spotrain-webhook`:
+    the ClusterRole spotrain-node-lookup lets it read a node, and nothing else."""
+    cluster.add_node("ip-10-0-9-9.ec2.internal", "i-0ddd1")
+    core = client.CoreV1Api(cluster.admin)
+    core.create_node(  # a node registered without the instance-id label: providerID only
+        {
+            "metadata": {"name": "ip-10-0-9-8.ec2.internal"},
+            "spec": {"providerID": "aws:///us-east-1a/i-0eee2"},
+        }
+    )
+    webhook = cluster.api_client(cluster.service_account_kubeconfig("spotrain-webhook"))
+    mark = cluster.audit_mark()
+    names = NodeNames(webhook)
+    assert await names.instance_id("ip-10-0-9-9.ec2.internal") == "i-0ddd1"
+    assert await names.instance_id("ip-10-0-9-8.ec2.internal") == "i-0eee2"
+    assert await names.instance_id("ip-10-0-0-99.ec2.internal") is None  # 404: not a node
+    assert await names.instance_id("ip-10-0-9-9.ec2.internal") == "i-0ddd1"  # cached
+    requests = cluster.requests(WEBHOOK, mark)
+    assert [(r.verb, r.resource, r.code) for r in requests] == [
+        ("get", "nodes", 200),
+        ("get", "nodes", 200),
+        ("get", "nodes", 404),
+    ]
+    as_webhook = client.CoreV1Api(webhook)
+    for forbidden in (as_webhook.list_node, lambda: as_webhook.list_namespaced_pod(NAMESPACE)):
+        with pytest.raises(ApiException) as info:
+            forbidden()
+        assert info.value.status == 403
+
+
+def test_a_service_account_token_is_refused_once_its_account_is_deleted(
+    cluster: ControlPlane,
+) -> None:
+    """Tokens are bound to their ServiceAccount (TokenRequest): authentication is real."""
+    core = client.CoreV1Api(cluster.admin)
+    core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "short-lived"}})
+    kubeconfig = cluster.service_account_kubeconfig("short-lived")
+    core.delete_namespaced_service_account("short-lived", NAMESPACE)
+    with pytest.raises(ApiException) as info:
+        client.CoreV1Api(cluster.api_client(kubeconfig)).read_node("anything")
+    assert info.value.status == 401

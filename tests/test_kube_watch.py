@@ -1,0 +1,296 @@
+"""The Kubernetes runtime's watch, Horovod hostfile, cleanup, namespaces and RBAC, on the real
+control plane (tests/k8s_cluster.py), as the `spotrain-worker` ServiceAccount; fixtures and
+helpers in tests/kube_support.py, kubelet stand-ins in tests/kube_kubelet.py."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client, utils, watch
+from temporalio.exceptions import ApplicationError
+
+from spotrain.activities.kube import KubeRuntime
+from spotrain.activities.store import JobStore
+from spotrain.workflows import contract
+from spotrain.workflows.contract import (
+    CleanupRequest,
+)
+from tests.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
+from tests.kube_kubelet import finish_pod
+from tests.kube_support import (  # noqa: F401 (fixtures)
+    JOB,
+    NS,
+    ROOT,
+    WORKER,
+    ack_on_stop,
+    audit_fixture,
+    ckpt_fixture,
+    core_fixture,
+    env_of,
+    in_thread,
+    kube_fixture,
+    plan_for,
+    pods,
+    rbac_fixture,
+    run,
+    runtime_fixture,
+    stop_request,
+    wait_until,
+    watch_request,
+    worker_client_fixture,
+)
+
+
+def test_watch_reports_progress_then_completion(
+    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
+) -> None:
+    run(runtime.start_generation, plan_for(ckpt))
+    store = JobStore(ckpt)
+    store.write_progress(1, step=17, time=time.time())
+    store.write_latest_checkpoint(10, "ckpt/step-10")
+    t0 = time.monotonic()
+    result = run(runtime.watch_generation, watch_request(ckpt, report_after_s=1))
+    assert 1 <= time.monotonic() - t0 < 5
+    assert (result.outcome, result.step, result.checkpoint_step) == ("progress", 17, 10)
+
+    watching = in_thread(runtime.watch_generation, watch_request(ckpt))
+    store.write_done(step=100, time=time.time())
+    for i in range(3):
+        finish_pod(core, NS, f"mnist-g1-{i}", 0)
+    result = watching.result(timeout=10)
+    assert result.outcome == "completed" and result.exit_codes == {0: 0, 1: 0, 2: 0}
+
+
+def test_watch_fails_on_nonzero_exit(
+    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
+) -> None:
+    run(runtime.start_generation, plan_for(ckpt))
+    watching = in_thread(runtime.watch_generation, watch_request(ckpt))
+    finish_pod(core, NS, "mnist-g1-2", 3)
+    result = watching.result(timeout=10)
+    assert result.outcome == "failed" and result.exit_codes == {2: 3}
+
+
+def test_watch_fails_when_a_pod_is_deleted(
+    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
+) -> None:
+    """An operator's `kubectl delete pod` (30 s of grace): the pod is Terminating long before
+    it vanishes, and the watch fails at the first sign, not 30 s later."""
+    run(runtime.start_generation, plan_for(ckpt))
+    watching = in_thread(runtime.watch_generation, watch_request(ckpt))
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    core.delete_namespaced_pod("mnist-g1-1", NS)
+    result = watching.result(timeout=20)
+    assert time.monotonic() - t0 < 10
+    assert result.outcome == "failed" and "mnist-g1-1" in result.detail
+
+
+def test_watch_fails_when_the_node_is_gone(
+    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
+) -> None:
+    run(runtime.start_generation, plan_for(ckpt))
+    watching = in_thread(runtime.watch_generation, watch_request(ckpt))
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    core.delete_node("ip-10-0-0-3")  # no pod event: only the node object disappears
+    result = watching.result(timeout=10)
+    assert time.monotonic() - t0 < 5  # noticed within a few watch_s ticks
+    assert result.outcome == "failed" and "ip-10-0-0-3" in result.detail
+
+
+def test_watch_survives_410_gone_by_listing_again(
+    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
+) -> None:
+    """etcd compacted past the watch's resourceVersion (a quiet generation outlives the
+    apiserver's 5-minute compaction): the next watch answers 410 Gone; the runtime lists again
+    and goes on watching, instead of failing the activity."""
+    run(runtime.start_generation, plan_for(ckpt))
+    seen = core.list_namespaced_pod(NS).metadata.resource_version
+    watching = in_thread(runtime.watch_generation, watch_request(ckpt, report_after_s=30))
+    time.sleep(1.5)
+    for _ in range(2):  # move etcd's revision past the pods' last change
+        core.create_namespaced_config_map(
+            "default", {"metadata": {"name": f"tick-{uuid.uuid4().hex[:6]}"}}
+        )
+    kube.compact_etcd()
+    with pytest.raises(client.ApiException) as gone:  # what the runtime's next watch meets
+        for _ in watch.Watch().stream(
+            core.list_namespaced_pod, NS, resource_version=seen, timeout_seconds=1
+        ):
+            pass
+    assert gone.value.status == 410
+    time.sleep(2.5)  # the runtime's next watch (watch_s=1) starts from a compacted version
+    assert not watching.done()
+    JobStore(ckpt).write_done(step=100, time=time.time())
+    for i in range(3):
+        finish_pod(core, NS, f"mnist-g1-{i}", 0)
+    assert watching.result(timeout=15).outcome == "completed"
+
+
+def hostfile_hosts(core: client.CoreV1Api) -> list[str]:
+    cm = core.read_namespaced_config_map("spotrain-mnist-hosts", NS)
+    script = cm.data["discover_hosts.sh"]
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True)
+    listed = [line.split(" ")[0] for line in cm.data["hostfile"].splitlines()]
+    assert [line.rsplit(":", 1)[0] for line in out.stdout.splitlines()] == listed
+    return out.stdout.splitlines()
+
+
+def test_horovod_hostfile_follows_scale_in_and_out(
+    kube: ControlPlane,
+    core: client.CoreV1Api,
+    runtime: KubeRuntime,
+    audit: Callable[[], list[Request]],
+    ckpt: str,
+) -> None:
+    svc = "spotrain-mnist.spotrain.svc"
+    run(runtime.start_generation, plan_for(ckpt, generation=1, nodes=3, job_type="horovod"))
+    assert hostfile_hosts(core) == [f"mnist-g1-{i}.{svc}:1" for i in range(3)]
+    pod = core.read_namespaced_pod("mnist-g1-0", NS)
+    assert env_of(pod)["SPOTRAIN_DISCOVER_HOSTS"] == "/etc/spotrain/hosts/discover_hosts.sh"
+    mounted = [v.config_map for v in pod.spec.volumes if v.config_map]
+    assert [(v.name, v.default_mode) for v in mounted] == [("spotrain-mnist-hosts", 0o755)]
+
+    run(runtime.stop_generation, stop_request(ckpt, graceful=False))
+    run(runtime.start_generation, plan_for(ckpt, generation=2, nodes=2, job_type="horovod"))
+    assert hostfile_hosts(core) == [f"mnist-g2-{i}.{svc}:1" for i in range(2)]  # scale in
+
+    run(runtime.stop_generation, stop_request(ckpt, generation=2, graceful=False))
+    plan = plan_for(ckpt, generation=3, nodes=3, job_type="horovod")
+    plan.members[2].procs = 2
+    run(runtime.start_generation, plan)
+    assert hostfile_hosts(core) == [  # scale out
+        f"mnist-g3-0.{svc}:1",
+        f"mnist-g3-1.{svc}:1",
+        f"mnist-g3-2.{svc}:2",
+    ]
+    cm = core.read_namespaced_config_map("spotrain-mnist-hosts", NS)
+    assert cm.metadata.labels["spotrain.io/generation"] == "3"
+    writes = [(r.verb, r.code) for r in audit() if r.resource == "configmaps"]
+    update = [("create", 409), ("patch", 200)]  # create-or-update: AlreadyExists, then patch
+    assert writes == [("create", 201), *update, *update]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_cleanup_deletes_the_job_or_keeps_failed_pods(
+    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str, keep: bool
+) -> None:
+    run(runtime.start_generation, plan_for(ckpt, job_type="horovod"))
+    other = plan_for(ckpt, nodes=1).model_copy(update={"job": "other"})
+    run(runtime.start_generation, other)
+    finish_pod(core, NS, "mnist-g1-1", 1)
+    # The fault stops the generation: the failed pod outlives the stop, for debugging.
+    run(runtime.stop_generation, stop_request(ckpt, graceful=False))
+    assert sorted(pods(core)) == ["mnist-g1-1", "other-g1-0"]
+    run(runtime.start_generation, plan_for(ckpt, generation=2, job_type="horovod"))
+    run(runtime.cleanup_job, CleanupRequest(job=JOB, keep=keep))
+    # Deleted with the default grace (30 s): Terminating until kwok's "kubelet" removes them.
+    staying = sorted(n for n, p in pods(core).items() if not p.metadata.deletion_timestamp)
+    assert staying == (["mnist-g1-1", "other-g1-0"] if keep else ["other-g1-0"])
+    services = core.list_namespaced_service(NS).items
+    assert [s.metadata.name for s in services] == ["spotrain-other"]
+    assert core.list_namespaced_config_map(NS, label_selector="spotrain.io/managed").items == []
+    run(runtime.cleanup_job, CleanupRequest(job=JOB, keep=keep))  # idempotent
+
+
+def test_namespace_per_job(
+    kube: ControlPlane, core: client.CoreV1Api, worker_client: client.ApiClient, ckpt: str
+) -> None:
+    """`train-{job}`: the namespace and the Role's binding in it exist beforehand."""
+    kube.ensure_namespace("train-mnist")
+    for doc in yaml.safe_load_all((ROOT / "infra/k8s/rbac.yaml").read_text()):
+        if doc["kind"] in ("Role", "RoleBinding"):
+            doc["metadata"]["namespace"] = "train-mnist"
+            try:
+                utils.create_from_dict(kube.admin, doc, namespace="train-mnist")
+            except utils.FailToCreateError as err:
+                assert all(e.status == 409 for e in err.api_exceptions)
+    runtime = KubeRuntime("train-{job}", worker_client, gang_timeout_s=30, watch_s=1)
+    run(runtime.start_generation, plan_for(ckpt, nodes=1))
+    pod = core.read_namespaced_pod("mnist-g1-0", "train-mnist")
+    assert env_of(pod)["MASTER_ADDR"] == "mnist-g1-0.spotrain-mnist.train-mnist.svc"
+
+
+def test_another_identity_is_forbidden_and_that_is_a_config_error(
+    kube: ControlPlane, ckpt: str
+) -> None:
+    """The webhook's ServiceAccount may only read nodes: the apiserver refuses it the pods."""
+    webhook = kube.api_client(kube.service_account_kubeconfig("spotrain-webhook"))
+    runtime = KubeRuntime(NS, webhook, gang_timeout_s=5, watch_s=1)
+    with pytest.raises(ApplicationError) as info:
+        run(runtime.start_generation, plan_for(ckpt))
+    assert info.value.type == contract.CONFIG_ERROR and info.value.non_retryable
+    assert "403" in str(info.value) and "spotrain-webhook" in str(info.value)
+
+
+def granted(path: Path) -> set[tuple[str, str]]:
+    pairs = set()
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc and doc["kind"] in ("Role", "ClusterRole") and "spotrain" in doc["metadata"]["name"]:
+            if doc["metadata"]["name"] == "spotrain-node-lookup":
+                continue  # the webhook's
+            for rule in doc["rules"]:
+                pairs |= {(v, r) for v in rule["verbs"] for r in rule["resources"]}
+    return pairs
+
+
+def test_rbac_grants_exactly_the_calls_the_runtime_makes(
+    kube: ControlPlane,
+    core: client.CoreV1Api,
+    runtime: KubeRuntime,
+    audit: Callable[[], list[Request]],
+    ckpt: str,
+) -> None:
+    """Drive every code path that talks to the API as the worker's ServiceAccount; every
+    request was allowed (else it fails above), and the audit log shows each granted
+    (verb, resource) in use: nothing in infra/k8s/rbac.yaml is granted for nothing."""
+    run(runtime.start_generation, plan_for(ckpt, job_type="horovod"))
+    run(runtime.start_generation, plan_for(ckpt, job_type="horovod"))
+    run(runtime.watch_generation, watch_request(ckpt, report_after_s=1))
+    ack_on_stop(core, ckpt, {"mnist-g1-1": [1], "mnist-g1-2": [2]})
+    run(runtime.stop_generation, stop_request(ckpt, lost_node_ids=["i-0aaa"]))
+    run(runtime.cleanup_job, CleanupRequest(job=JOB))
+    requests = audit()
+    assert [r for r in requests if r.code == 403] == []
+    assert {(r.verb, r.resource) for r in requests} == granted(ROOT / "infra/k8s/rbac.yaml")
+
+
+def test_a_verb_missing_from_the_role_fails(
+    kube: ControlPlane, rbac: client.RbacAuthorizationV1Api, runtime: KubeRuntime, ckpt: str
+) -> None:
+    """Real authorization: take `list` out of the Role and the gang start is refused (it
+    lists its pods before it watches them; a watch is skipped when all are Ready at once)."""
+    role = rbac.read_namespaced_role("spotrain-runtime", NS)
+    original = client.ApiClient().sanitize_for_serialization(role.rules)
+    stripped = [dict(r, verbs=[v for v in r["verbs"] if v != "list"]) for r in original]
+    rbac.patch_namespaced_role("spotrain-runtime", NS, {"rules": stripped})
+    try:
+        wait_until(lambda: not may_list_pods(kube))  # the authorizer's cache catches up
+        with pytest.raises(ApplicationError) as info:
+            run(runtime.start_generation, plan_for(ckpt))
+        assert info.value.type == contract.CONFIG_ERROR
+        assert 'cannot list resource "pods"' in str(info.value)
+    finally:
+        rbac.patch_namespaced_role("spotrain-runtime", NS, {"rules": original})
+        wait_until(lambda: may_list_pods(kube))
+
+
+def may_list_pods(kube: ControlPlane) -> bool:
+    review = client.V1SubjectAccessReview(
+        spec=client.V1SubjectAccessReviewSpec(
+            user=WORKER,
+            groups=["system:serviceaccounts", "system:serviceaccounts:spotrain"],
+            resource_attributes=client.V1ResourceAttributes(
+                namespace=NS, verb="list", resource="pods"
+            ),
+        )
+    )
+    answer = client.AuthorizationV1Api(kube.admin).create_subject_access_review(review)
+    return bool(answer.status.allowed)
