@@ -123,7 +123,7 @@ class ControlWatch:
 def job_spec(name: str, nodes: int, script: Path, times: Path, checkpoint: Path) -> dict[str, Any]:
     return {
         "name": name,
-        "type": "command",
+        "type": "pytorch",
         "command": [sys.executable, str(script)],
         "env": {"BENCH_TIMES": str(times)},
         "total_steps": 10**9,

@@ -2,25 +2,23 @@
 runtime, EC2 instance metadata, and SIGTERM, each with real rank processes using
 `spotrain.workers.elastic`.
 
-- Kubernetes: `KubeRuntime` against tests/kube_double.py (an HTTP double of the
-  kube-apiserver: no apiserver or kubelet can run here) with `KubeletStandIn`, which runs
-  each Running pod's command as a local process with the pod's environment, SIGTERMs it when
-  the pod is deleted (SIGKILL after the grace period), and reports its exit code. It stands in
-  for the kubelet; it does not project the downwardAPI file (a real kubelet does that on its
-  sync period, about a minute), so the ranks hear the control record in the store, only.
+- Kubernetes: `KubeRuntime` as its ServiceAccount against the real control plane of the tests
+  (tests/k8s_cluster.py: etcd, kube-apiserver, kube-scheduler, built by
+  infra/k8s/controlplane/build.sh) with tests/kube_kubelet.py standing in for the kubelet: it
+  runs each bound pod's command as a local process with the pod's environment and never
+  refreshes the downwardAPI file (a real kubelet does that on its sync period, about a
+  minute), so the ranks hear the control record in the store, only.
 - IMDS: AWS's ec2-metadata-mock (tests/imds_mock.py) with a spot interruption after a delay.
 - SIGTERM: a rank sent SIGTERM, until its checkpoint ack is in the store.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,8 +26,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
+from kubernetes import client
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities import worker_env
@@ -37,114 +35,56 @@ from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.store import JobStore
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
 from tests import imds_mock
-from tests.kube_double import ApiError, KubeDouble
-
-NS = "bench"
-
-
-class KubeletStandIn:
-    """Runs the double's Running pods as local processes (see the module docstring)."""
-
-    def __init__(self, kube: KubeDouble, log_dir: Path) -> None:
-        self.kube, self.log_dir = kube, log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.grace: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            pods = {p["metadata"]["name"]: p for p in self.kube.list("pods", NS)}
-            for name, pod in pods.items():
-                if name not in self.procs and pod["status"].get("phase") == "Running":
-                    self._start(name, pod)
-            for name, proc in list(self.procs.items()):
-                if name not in pods:  # deleted: SIGTERM, SIGKILL after its grace period
-                    self._terminate(name, proc)
-                elif proc.poll() is not None and pod_running(pods[name]):
-                    with contextlib.suppress(ApiError):  # deleted since the listing
-                        self.kube.finish_pod(NS, name, proc.returncode)
-            time.sleep(0.005)
-
-    def _start(self, name: str, pod: dict[str, Any]) -> None:
-        container = pod["spec"]["containers"][0]
-        env = {e["name"]: e["value"] for e in container["env"]}
-        self.grace[name] = pod["spec"].get("terminationGracePeriodSeconds", 30)
-        with (self.log_dir / f"{name}.log").open("ab") as log:
-            self.procs[name] = subprocess.Popen(
-                container["command"],
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def _terminate(self, name: str, proc: subprocess.Popen[bytes]) -> None:
-        del self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.grace.pop(name, 30))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        for name, proc in list(self.procs.items()):
-            self.grace[name] = 0
-            self._terminate(name, proc)
-
-
-def pod_running(pod: dict[str, Any]) -> bool:
-    return pod["status"].get("phase") == "Running"
+from tests.k8s_cluster import NAMESPACE, ControlPlane, binaries
+from tests.kube_kubelet import LocalKubelet
 
 
 def kube_reclaims(root: Path, script: Path, times: Path, reclaims: int, nodes: int) -> list[float]:
     """Per reclaim: a generation of `nodes` pods running the benchmark's script, stopped
     gracefully by `KubeRuntime.stop_generation`; from the activity's start to the last rank's
     elastic event (the library's latch time, which the script records)."""
-    kube = KubeDouble()
     samples = []
     env = ActivityEnvironment()
-    with kube.serve():
+    with ControlPlane.running(binaries(build=True)) as cluster:
+        core = client.CoreV1Api(cluster.admin)
+        kubelet = LocalKubelet(core, NAMESPACE, root / "kubelet", refresh_volumes=False)
         node_ids = [f"i-kube{i}" for i in range(nodes)]
         for i, iid in enumerate(node_ids):
-            kube.add_node(f"ip-10-0-0-{i}", iid)
-        runtime = KubeRuntime(NS, kube.api_client(), gang_timeout_s=60, ack_poll_s=0.05)
-        kubelet = KubeletStandIn(kube, root)
+            cluster.add_node(f"ip-10-0-0-{i}", iid, fake=False)
+            kubelet.nodes.add(f"ip-10-0-0-{i}")
+        worker = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+        runtime = KubeRuntime(NAMESPACE, worker, gang_timeout_s=60, ack_poll_s=0.05)
         ckpt = f"file://{root / 'kube-checkpoints'}"
-        try:
-            for g in range(1, reclaims + 1):
-                plan = GenerationPlan(
-                    job="reaction-kube",
-                    generation=g,
-                    members=[Member(node_id=iid, address="unused") for iid in node_ids],
-                    command=[sys.executable, str(script)],
-                    env={"BENCH_TIMES": str(times), "BENCH_PREFIX": "k"},
-                    image="bench/none:1",
-                    checkpoint=ckpt,
-                    total_steps=10**9,
-                    graceful_shutdown_s=10,
-                )
-                env.run(runtime.start_generation, plan)
-                wait_first_steps(times, f"k{g}", nodes)
-                req = StopRequest(
-                    job=plan.job,
-                    generation=g,
-                    world_size=nodes,
-                    checkpoint=ckpt,
-                    graceful=True,
-                    grace_s=10,
-                )
-                sent = time.time()
-                env.run(runtime.stop_generation, req)
-                seen = [t["event_seen"] for t in read_times(times, f"k{g}")]
-                samples.append(max(seen) - sent)
-        finally:
-            env.run(runtime.cleanup_job, CleanupRequest(job="reaction-kube"))
-            kubelet.close()
+        with kubelet.serving():
+            try:
+                for g in range(1, reclaims + 1):
+                    plan = GenerationPlan(
+                        job="reaction-kube",
+                        generation=g,
+                        members=[Member(node_id=iid, address="unused") for iid in node_ids],
+                        command=[sys.executable, str(script)],
+                        env={"BENCH_TIMES": str(times), "BENCH_PREFIX": "k"},
+                        image="bench/none:1",
+                        checkpoint=ckpt,
+                        total_steps=10**9,
+                        graceful_shutdown_s=10,
+                    )
+                    env.run(runtime.start_generation, plan)
+                    wait_first_steps(times, f"k{g}", nodes)
+                    req = StopRequest(
+                        job=plan.job,
+                        generation=g,
+                        world_size=nodes,
+                        checkpoint=ckpt,
+                        graceful=True,
+                        grace_s=10,
+                    )
+                    sent = time.time()
+                    env.run(runtime.stop_generation, req)
+                    seen = [t["event_seen"] for t in read_times(times, f"k{g}")]
+                    samples.append(max(seen) - sent)
+            finally:
+                env.run(runtime.cleanup_job, CleanupRequest(job="reaction-kube"))
     return samples
 
 

@@ -115,13 +115,16 @@ class LocalKubelet:
     pod bound to them as a local process, keeps its status, stops it on deletion (SIGTERM,
     SIGKILL after the grace period) and kills it when its node object goes (the instance is
     gone). Volumes: downwardAPI files are rewritten every `refresh_s` (a real kubelet: about
-    a minute) and so are ConfigMaps; env values under a mount path point into `root`."""
+    a minute) and so are ConfigMaps, unless `refresh_volumes` is off (a kubelet between two
+    syncs: the files stay as the pod started); env values under a mount path point into
+    `root`."""
 
     core: client.CoreV1Api
     namespace: str
     root: Path
     nodes: set[str] = field(default_factory=set)
     refresh_s: float = 0.2
+    refresh_volumes: bool = True
     running: dict[str, _Container] = field(default_factory=dict)
     started: list[tuple[str, str, str]] = field(default_factory=list)  # pod, node, node-id
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -159,7 +162,8 @@ class LocalKubelet:
                 container.proc.wait()
                 del self.running[name]
                 continue
-            self._volumes(pod, container.root)
+            if self.refresh_volumes:
+                self._volumes(pod, container.root)
             if pod.metadata.deletion_timestamp and container.stopping_at is None:
                 grace = pod.metadata.deletion_grace_period_seconds or 0
                 container.stopping_at = time.monotonic() + grace

@@ -287,7 +287,7 @@ async def test_an_imds_notice_reaches_the_workflow_without_a_webhook(
     queue = name = f"imds-{uuid.uuid4().hex[:8]}"
     spec = {
         "name": name,
-        "type": "command",
+        "type": "pytorch",
         "command": [sys.executable, str(script)],
         "env": {"IMDS_DIR": str(imds_dir)},
         "total_steps": 10**9,

@@ -1,8 +1,8 @@
-"""The control channel on the Kubernetes runtime: KubeRuntime against the API double
-(tests/kube_double.py), with real rank processes run by the benchmark's kubelet stand-in
-(bench/reaction_paths.py: it runs each Running pod's command with the pod's environment and
-never refreshes the downwardAPI file, as a kubelet between syncs), so the ranks can hear the
-control record in the store only."""
+"""The control channel on the Kubernetes runtime: KubeRuntime, as its ServiceAccount, on the
+real control plane (tests/k8s_cluster.py), with real rank processes run by the kubelet
+stand-in (tests/kube_kubelet.py) with `refresh_volumes` off: it runs each bound pod's command
+with the pod's environment and never refreshes the downwardAPI file, as a kubelet between
+syncs, so the ranks can hear the control record in the store only."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes import client
 from temporalio.testing import ActivityEnvironment
 
 from bench.reaction import SCRIPT
-from bench.reaction_paths import NS, KubeletStandIn, read_times, wait_first_steps
+from bench.reaction_paths import read_times, wait_first_steps
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.store import JobStore
 from spotrain.workflows.contract import (
@@ -26,28 +27,33 @@ from spotrain.workflows.contract import (
     StopRequest,
     WatchRequest,
 )
-from tests.kube_double import KubeDouble
+from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
+    NAMESPACE,
+    ControlPlane,
+    cluster_fixture,
+    control_plane_fixture,
+)
+from tests.kube_kubelet import LocalKubelet
 
 NODES = {"ip-10-0-0-1": "i-0aaa", "ip-10-0-0-2": "i-0bbb"}
 
 
 @pytest.fixture
-def kube(tmp_path: Path) -> Iterator[KubeDouble]:
-    double = KubeDouble()
-    with double.serve():
-        for name, iid in NODES.items():
-            double.add_node(name, iid)
-        kubelet = KubeletStandIn(double, tmp_path)
-        try:
-            yield double
-        finally:
-            kubelet.close()
+def kubelet(cluster: ControlPlane, tmp_path: Path) -> Iterator[LocalKubelet]:
+    core = client.CoreV1Api(cluster.admin)
+    stand_in = LocalKubelet(core, NAMESPACE, tmp_path / "kubelet", refresh_volumes=False)
+    for name, iid in NODES.items():
+        cluster.add_node(name, iid, fake=False)
+        stand_in.nodes.add(name)
+    with stand_in.serving():
+        yield stand_in
 
 
 @pytest.fixture
-def runtime(kube: KubeDouble) -> Iterator[KubeRuntime]:
-    """The runtime on the double; job `ctl` cleaned up afterwards."""
-    rt = KubeRuntime(NS, kube.api_client(), gang_timeout_s=30, watch_s=1, ack_poll_s=0.05)
+def runtime(cluster: ControlPlane, kubelet: LocalKubelet) -> Iterator[KubeRuntime]:
+    """The runtime as the worker's ServiceAccount; job `ctl` cleaned up afterwards."""
+    worker = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+    rt = KubeRuntime(NAMESPACE, worker, gang_timeout_s=30, watch_s=1, ack_poll_s=0.05)
     yield rt
     ActivityEnvironment().run(rt.cleanup_job, CleanupRequest(job="ctl"))
 
@@ -70,12 +76,12 @@ def plan(tmp_path: Path) -> GenerationPlan:
 
 
 def test_ranks_in_pods_hear_the_control_record_and_pods_get_the_graceful_timeout(
-    tmp_path: Path, kube: KubeDouble, runtime: KubeRuntime
+    tmp_path: Path, kubelet: LocalKubelet, runtime: KubeRuntime
 ) -> None:
     env, p = ActivityEnvironment(), plan(tmp_path)
     env.run(runtime.start_generation, p)
-    pods = kube.list("pods", NS)
-    assert [pod["spec"]["terminationGracePeriodSeconds"] for pod in pods] == [46, 46]
+    pods = kubelet.core.list_namespaced_pod(NAMESPACE).items
+    assert [pod.spec.termination_grace_period_seconds for pod in pods] == [46, 46]
     wait_first_steps(tmp_path / "times", "k1", 2)
     req = StopRequest(
         job="ctl", generation=1, world_size=2, checkpoint=p.checkpoint, graceful=True, grace_s=20
@@ -85,8 +91,8 @@ def test_ranks_in_pods_hear_the_control_record_and_pods_get_the_graceful_timeout
     assert result.acked_ranks == [0, 1] and not result.forced
     assert time.monotonic() - started < 15  # acked through the store, not after the kubelet
     assert len(read_times(tmp_path / "times", "k1")) == 2
-    for rank in (0, 1):
-        log = (tmp_path / f"ctl-g1-{rank}.log").read_text()
+    for pod in pods:
+        log = (kubelet.root / pod.metadata.name / "log").read_text()
         assert "elastic event from control record" in log, log
     record = JobStore(p.checkpoint).store.get_json(JobStore.control_key(1))
     assert record["kind"] == "stop" and record["event_id"] == "stop-ctl-1"

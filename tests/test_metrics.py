@@ -59,7 +59,7 @@ async def test_worker_serves_sdk_and_job_metrics_and_json_logs(
     spec = merge(
         {
             "name": name,
-            "type": "command",
+            "type": "pytorch",
             "command": [sys.executable, str(TRAIN)],
             "env": {"CHAOS_RECORD_DIR": str(tmp_path), "CHAOS_HOLD_AT": "50"},
             "total_steps": 400,

@@ -182,7 +182,7 @@ class ChaosEnv:
         self.records(job).mkdir(parents=True, exist_ok=True)
         return {
             "name": job,
-            "type": "command",
+            "type": "pytorch",
             "command": [sys.executable, str(TRAIN)],
             "env": {"CHAOS_RECORD_DIR": str(self.records(job)), "CHAOS_HOLD_AT": str(HOLD_AT)},
             "procs_per_node": 2,
