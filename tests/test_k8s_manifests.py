@@ -1,9 +1,10 @@
 """infra/k8s: every manifest is a valid object of the kubernetes client's models, and the
 objects refer to each other correctly (selectors, ServiceAccounts, role bindings, probes).
 
-No cluster can run here (see tests/kube_double.py), so this is as close to `kubectl apply
---dry-run=server` as these machines get: the client's generated models reject wrong types, and
-the lossless round trip below catches misspelled or misplaced fields.
+namespace.yaml and rbac.yaml are also applied to a real kube-apiserver by every Kubernetes
+test (tests/k8s_cluster.py), whose RBAC then authorizes the runtime and the webhook. For the
+rest, the client's generated models reject wrong types, and the lossless round trip below
+catches misspelled or misplaced fields.
 """
 
 from __future__ import annotations
