@@ -40,10 +40,21 @@ from kubernetes.client.exceptions import ApiException
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from spotrain.activities.command_launch import launch_command
+from spotrain.activities.kube_objects import (
+    CONTROL,
+    MEMBERS,
+    NODE_ID,
+    PROCS,
+    RANK,
+    STOP,
+    hosts_body,
+    hosts_name,
+    owner_selector,
+    pod_body,
+    service_body,
+)
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.activities.store import JobStore, checked_store
-from spotrain.activities.worker_env import rank_env
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
@@ -54,21 +65,6 @@ from spotrain.workflows.contract import (
     WatchResult,
 )
 
-MANAGED = "spotrain.io/managed"
-JOB = "spotrain.io/job"
-GENERATION = "spotrain.io/generation"
-RANK = "spotrain.io/rank"
-CONTROL = "spotrain.io/control"  # annotation: the elastic event
-NODE_ID = "spotrain.io/node-id"  # annotation: the member's instance id
-PROCS = "spotrain.io/procs"  # annotation: processes (ranks) in this pod
-MEMBERS = "spotrain.io/members"  # annotation: pods in this generation
-STOP = "stop"
-
-CONTROL_DIR = "/etc/spotrain"
-CONTROL_PATH = f"{CONTROL_DIR}/control"
-HOSTS_DIR = "/etc/spotrain/hosts"
-HOSTFILE_ENV = "SPOTRAIN_HOSTFILE"
-DISCOVER_HOSTS_ENV = "SPOTRAIN_DISCOVER_HOSTS"
 GANG_ERROR = "GangStartError"  # retryable: the workflow's retry policy re-runs the gang start
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -119,24 +115,6 @@ def instance_id(node: client.V1Node) -> str | None:
         return labels["node.kubernetes.io/instance-id"]
     provider = node.spec.provider_id if node.spec else None
     return provider.rsplit("/", 1)[-1] if provider else None
-
-
-def pod_name(job: str, generation: int, index: int) -> str:
-    return f"{job}-g{generation}-{index}"
-
-
-def service_name(job: str) -> str:
-    """DNS-1035 label (must start with a letter; job names may start with a digit)."""
-    return f"spotrain-{job}"
-
-
-def pod_dns(job: str, generation: int, index: int, ns: str) -> str:
-    """The pod's name in the headless Service's DNS (hostname.subdomain.namespace.svc)."""
-    return f"{pod_name(job, generation, index)}.{service_name(job)}.{ns}.svc"
-
-
-def hosts_name(job: str) -> str:
-    return f"spotrain-{job}-hosts"
 
 
 def _ranks(pod: client.V1Pod) -> set[int]:
@@ -236,13 +214,17 @@ class KubeRuntime:
         ns = self._ns(plan.job)
         deadline = time.monotonic() + self.gang_timeout_s
         hosts = self._node_hostnames([m.node_id for m in plan.members], deadline)
-        self._create(self.core.create_namespaced_service, ns, self._service(plan.job))
+        self._create(
+            self.core.create_namespaced_service, ns, service_body(plan.job, self.master_port)
+        )
         if plan.job_type == "horovod":
             self._put_hosts(ns, plan)
         names = set()
         reset_control(plan.checkpoint, plan.generation)  # issue 16: no stale 'stop' obeyed
         for index, member in enumerate(plan.members):
-            body = self._pod(plan, index, hosts[member.node_id])
+            body = pod_body(
+                plan, index, hosts[member.node_id], ns, self.master_port, self.tolerations
+            )
             self._create(self.core.create_namespaced_pod, ns, body)
             names.add(body["metadata"]["name"])
 
@@ -253,7 +235,7 @@ class KubeRuntime:
                 raise GangFailed(f"pods ended or vanished before the start: {ended or gone}")
             return all(_ready(p) for p in pods.values()) or None
 
-        selector = _selector(plan.job, plan.generation)
+        selector = owner_selector(plan.job, plan.generation)
         try:
             ready, pods = self._wait_pods(ns, selector, all_ready, deadline)
             if not ready:
@@ -277,7 +259,7 @@ class KubeRuntime:
         acks, then delete them with that grace period, all but Failed ones (kept for
         debugging until cleanup). Returns once the pods are gone."""
         ns = self._ns(req.job)
-        selector = _selector(req.job, req.generation)
+        selector = owner_selector(req.job, req.generation)
         store = JobStore(req.checkpoint)
         pods = self.core.list_namespaced_pod(ns, label_selector=selector).items
         gone = set(self._gone_nodes({p.metadata.name: p for p in pods}))
@@ -367,7 +349,7 @@ class KubeRuntime:
 
         deadline = time.monotonic() + req.report_after_s
         result, _ = self._wait_pods(
-            ns, _selector(req.job, req.generation), verdict, deadline, periodic=True
+            ns, owner_selector(req.job, req.generation), verdict, deadline, periodic=True
         )
         return result or WatchResult(outcome="progress", **_steps(store, req))
 
@@ -376,7 +358,7 @@ class KubeRuntime:
     def cleanup_job(self, req: CleanupRequest) -> None:
         """Delete the job's pods, Service and ConfigMaps; with `keep`, Failed pods stay."""
         ns = self._ns(req.job)
-        selector = _selector(req.job)
+        selector = owner_selector(req.job)
         pods = self.core.list_namespaced_pod(ns, label_selector=selector).items
         doomed = {p.metadata.name for p in pods if not (req.keep and p.status.phase == "Failed")}
         self._delete_pods(ns, doomed, grace_s=None)
@@ -387,103 +369,9 @@ class KubeRuntime:
 
     # --- objects ---------------------------------------------------------------------------
 
-    def _pod(self, plan: GenerationPlan, index: int, hostname: str) -> dict[str, Any]:
-        member = plan.members[index]
-        name = pod_name(plan.job, plan.generation, index)
-        env = rank_env(plan, index, 0, master_port=self.master_port, control_file=CONTROL_PATH)
-        env["MASTER_ADDR"] = pod_dns(plan.job, plan.generation, 0, self._ns(plan.job))
-        mounts = [{"name": "control", "mountPath": CONTROL_DIR, "readOnly": True}]
-        volumes: list[dict[str, Any]] = [
-            {
-                "name": "control",
-                "downwardAPI": {
-                    "items": [
-                        {
-                            "path": CONTROL_PATH.rsplit("/", 1)[1],
-                            "fieldRef": {"fieldPath": f"metadata.annotations['{CONTROL}']"},
-                        }
-                    ]
-                },
-            }
-        ]
-        if plan.job_type == "horovod":
-            env[HOSTFILE_ENV] = f"{HOSTS_DIR}/hostfile"
-            env[DISCOVER_HOSTS_ENV] = f"{HOSTS_DIR}/discover_hosts.sh"
-            mounts.append({"name": "hosts", "mountPath": HOSTS_DIR, "readOnly": True})
-            volumes.append(
-                {"name": "hosts", "configMap": {"name": hosts_name(plan.job), "defaultMode": 0o755}}
-            )
-        container: dict[str, Any] = {
-            "name": "worker",
-            "image": plan.image,
-            "command": launch_command(plan, index, "python"),
-            "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
-            "ports": [{"name": "rendezvous", "containerPort": self.master_port}],
-            "volumeMounts": mounts,
-        }
-        if plan.gpus_per_proc:
-            gpus = str(plan.gpus_per_proc * member.procs)
-            container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
-        first_rank = sum(m.procs for m in plan.members[:index])
-        return {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "labels": {
-                    **_labels(plan.job),
-                    GENERATION: str(plan.generation),
-                    RANK: str(first_rank),
-                },
-                "annotations": {
-                    NODE_ID: member.node_id,
-                    PROCS: str(member.procs),
-                    MEMBERS: str(len(plan.members)),
-                },
-            },
-            "spec": {
-                "restartPolicy": "Never",
-                "hostname": name,
-                "subdomain": service_name(plan.job),
-                "nodeSelector": {"kubernetes.io/hostname": hostname},
-                "tolerations": [dict(t) for t in self.tolerations],
-                "automountServiceAccountToken": False,
-                # issue 16: SIGTERM is an elastic event; the kubelet waits this long for it
-                **(
-                    {"terminationGracePeriodSeconds": math.ceil(plan.graceful_shutdown_s)}
-                    if plan.graceful_shutdown_s is not None
-                    else {}
-                ),
-                "containers": [container],
-                "volumes": volumes,
-            },
-        }
-
-    def _service(self, job: str) -> dict[str, Any]:
-        """Headless, publishing not-ready pods: rendezvous needs DNS before readiness."""
-        return {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": service_name(job), "labels": _labels(job)},
-            "spec": {
-                "clusterIP": "None",
-                "publishNotReadyAddresses": True,
-                "selector": {JOB: job},
-                "ports": [{"name": "rendezvous", "port": self.master_port}],
-            },
-        }
-
     def _put_hosts(self, ns: str, plan: GenerationPlan) -> None:
         """Create or update the hostfile ConfigMap: running pods see the new members."""
-        dns = [pod_dns(plan.job, plan.generation, i, ns) for i in range(len(plan.members))]
-        slots = [m.procs for m in plan.members]
-        listing = "".join(f"{host}:{n}\n" for host, n in zip(dns, slots, strict=True))
-        data = {
-            "hostfile": "".join(f"{host} slots={n}\n" for host, n in zip(dns, slots, strict=True)),
-            "discover_hosts.sh": f"#!/bin/sh\ncat <<'EOF'\n{listing}EOF\n",
-        }
-        labels = {**_labels(plan.job), GENERATION: str(plan.generation)}
-        body = {"metadata": {"name": hosts_name(plan.job), "labels": labels}, "data": data}
+        body = hosts_body(plan, ns)
         try:
             self.core.create_namespaced_config_map(ns, body)
         except ApiException as err:
@@ -595,15 +483,6 @@ class KubeRuntime:
 
 
 _ENDED = ("Succeeded", "Failed")
-
-
-def _labels(job: str) -> dict[str, str]:
-    return {MANAGED: "true", JOB: job}
-
-
-def _selector(job: str, generation: int | None = None) -> str:
-    selector = f"{MANAGED}=true,{JOB}={job}"
-    return selector if generation is None else f"{selector},{GENERATION}={generation}"
 
 
 def _absent(delete: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

@@ -54,23 +54,27 @@ def nodes_follow_instances(
     stop = threading.Event()
 
     def sync() -> None:
-        while not stop.wait(0.2):
-            running = {node_name(n.node_id): n for n in cloud.running()}
-            for name in set(running) - kubelet.nodes:
-                info = running[name]
-                cluster.add_node(name, info.node_id, zone=info.zone, fake=False)
-                kubelet.nodes.add(name)
-            for name in kubelet.nodes - set(running):
-                core.delete_node(name)
-                kubelet.nodes.discard(name)
+        running = {node_name(n.node_id): n for n in cloud.running()}
+        for name in set(running) - kubelet.nodes:
+            info = running[name]
+            cluster.add_node(name, info.node_id, zone=info.zone, fake=False)
+            kubelet.nodes.add(name)
+        for name in kubelet.nodes - set(running):
+            core.delete_node(name)
+            kubelet.nodes.discard(name)
 
-    thread = threading.Thread(target=sync, daemon=True)
+    def follow() -> None:
+        while not stop.wait(0.2):
+            sync()
+
+    thread = threading.Thread(target=follow, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join(10)
+        sync()  # the instances released as the job ended take their nodes too
 
 
 async def test_training_job_reclaimed_and_grown_on_kubernetes(
@@ -128,4 +132,5 @@ async def test_training_job_reclaimed_and_grown_on_kubernetes(
     assert kubelet.running == {}
     assert core.list_namespaced_service(NAMESPACE, label_selector=selector).items == []
     assert core.list_namespaced_config_map(NAMESPACE, label_selector=selector).items == []
-    assert cloud.running() == [] and core.list_node().items == []
+    assert cloud.running() == []
+    assert [n.metadata.name for n in core.list_node().items] == []

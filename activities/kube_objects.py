@@ -1,0 +1,165 @@
+"""The objects the Kubernetes runtime asks the API server for, as plain bodies: pods, the
+headless Service, the Horovod hostfile ConfigMap, their names and ownership labels. Pure: the
+calls that create, watch and delete them are in activities/kube.py."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from spotrain.activities.command_launch import launch_command
+from spotrain.activities.worker_env import rank_env
+from spotrain.workflows.contract import GenerationPlan
+
+MANAGED = "spotrain.io/managed"
+JOB = "spotrain.io/job"
+GENERATION = "spotrain.io/generation"
+RANK = "spotrain.io/rank"
+CONTROL = "spotrain.io/control"  # annotation: the elastic event
+NODE_ID = "spotrain.io/node-id"  # annotation: the member's instance id
+PROCS = "spotrain.io/procs"  # annotation: processes (ranks) in this pod
+MEMBERS = "spotrain.io/members"  # annotation: pods in this generation
+STOP = "stop"
+
+CONTROL_DIR = "/etc/spotrain"
+CONTROL_PATH = f"{CONTROL_DIR}/control"
+HOSTS_DIR = "/etc/spotrain/hosts"
+HOSTFILE_ENV = "SPOTRAIN_HOSTFILE"
+DISCOVER_HOSTS_ENV = "SPOTRAIN_DISCOVER_HOSTS"
+
+
+def pod_name(job: str, generation: int, index: int) -> str:
+    return f"{job}-g{generation}-{index}"
+
+
+def service_name(job: str) -> str:
+    """DNS-1035 label (must start with a letter; job names may start with a digit)."""
+    return f"spotrain-{job}"
+
+
+def pod_dns(job: str, generation: int, index: int, ns: str) -> str:
+    """The pod's name in the headless Service's DNS (hostname.subdomain.namespace.svc)."""
+    return f"{pod_name(job, generation, index)}.{service_name(job)}.{ns}.svc"
+
+
+def hosts_name(job: str) -> str:
+    return f"spotrain-{job}-hosts"
+
+
+def owner_labels(job: str) -> dict[str, str]:
+    return {MANAGED: "true", JOB: job}
+
+
+def owner_selector(job: str, generation: int | None = None) -> str:
+    selector = f"{MANAGED}=true,{JOB}={job}"
+    return selector if generation is None else f"{selector},{GENERATION}={generation}"
+
+
+def pod_body(
+    plan: GenerationPlan,
+    index: int,
+    hostname: str,
+    ns: str,
+    master_port: int,
+    tolerations: tuple[dict[str, str], ...],
+) -> dict[str, Any]:
+    """The pod of member `index`: pinned to its node, the worker contract's environment, the
+    control annotation projected as a file, and the hostfile for Horovod jobs."""
+    member = plan.members[index]
+    name = pod_name(plan.job, plan.generation, index)
+    env = rank_env(plan, index, 0, master_port=master_port, control_file=CONTROL_PATH)
+    env["MASTER_ADDR"] = pod_dns(plan.job, plan.generation, 0, ns)
+    mounts = [{"name": "control", "mountPath": CONTROL_DIR, "readOnly": True}]
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": "control",
+            "downwardAPI": {
+                "items": [
+                    {
+                        "path": CONTROL_PATH.rsplit("/", 1)[1],
+                        "fieldRef": {"fieldPath": f"metadata.annotations['{CONTROL}']"},
+                    }
+                ]
+            },
+        }
+    ]
+    if plan.job_type == "horovod":
+        env[HOSTFILE_ENV] = f"{HOSTS_DIR}/hostfile"
+        env[DISCOVER_HOSTS_ENV] = f"{HOSTS_DIR}/discover_hosts.sh"
+        mounts.append({"name": "hosts", "mountPath": HOSTS_DIR, "readOnly": True})
+        volumes.append(
+            {"name": "hosts", "configMap": {"name": hosts_name(plan.job), "defaultMode": 0o755}}
+        )
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": plan.image,
+        "command": launch_command(plan, index, "python"),
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "ports": [{"name": "rendezvous", "containerPort": master_port}],
+        "volumeMounts": mounts,
+    }
+    if plan.gpus_per_proc:
+        gpus = str(plan.gpus_per_proc * member.procs)
+        container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+    first_rank = sum(m.procs for m in plan.members[:index])
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {
+                **owner_labels(plan.job),
+                GENERATION: str(plan.generation),
+                RANK: str(first_rank),
+            },
+            "annotations": {
+                NODE_ID: member.node_id,
+                PROCS: str(member.procs),
+                MEMBERS: str(len(plan.members)),
+            },
+        },
+        "spec": {
+            "restartPolicy": "Never",
+            "hostname": name,
+            "subdomain": service_name(plan.job),
+            "nodeSelector": {"kubernetes.io/hostname": hostname},
+            "tolerations": [dict(t) for t in tolerations],
+            "automountServiceAccountToken": False,
+            # issue 16: SIGTERM is an elastic event; the kubelet waits this long for it
+            **(
+                {"terminationGracePeriodSeconds": math.ceil(plan.graceful_shutdown_s)}
+                if plan.graceful_shutdown_s is not None
+                else {}
+            ),
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+
+
+def service_body(job: str, master_port: int) -> dict[str, Any]:
+    """Headless, publishing not-ready pods: rendezvous needs DNS before readiness."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": service_name(job), "labels": owner_labels(job)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {JOB: job},
+            "ports": [{"name": "rendezvous", "port": master_port}],
+        },
+    }
+
+
+def hosts_body(plan: GenerationPlan, ns: str) -> dict[str, Any]:
+    """The hostfile ConfigMap (and discover_hosts.sh) of a Horovod job's generation."""
+    dns = [pod_dns(plan.job, plan.generation, i, ns) for i in range(len(plan.members))]
+    slots = [m.procs for m in plan.members]
+    listing = "".join(f"{host}:{n}\n" for host, n in zip(dns, slots, strict=True))
+    data = {
+        "hostfile": "".join(f"{host} slots={n}\n" for host, n in zip(dns, slots, strict=True)),
+        "discover_hosts.sh": f"#!/bin/sh\ncat <<'EOF'\n{listing}EOF\n",
+    }
+    tags = {**owner_labels(plan.job), GENERATION: str(plan.generation)}
+    return {"metadata": {"name": hosts_name(plan.job), "labels": tags}, "data": data}
