@@ -220,7 +220,7 @@ class KubeRuntime:
         if plan.job_type == "horovod":
             self._put_hosts(ns, plan)
         names = set()
-        reset_control(plan.checkpoint, plan.generation)  # issue 16: no stale 'stop' obeyed
+        reset_control(plan.checkpoint, plan.generation)  # no stale 'stop' obeyed
         for index, member in enumerate(plan.members):
             body = pod_body(
                 plan, index, hosts[member.node_id], ns, self.master_port, self.tolerations
@@ -272,7 +272,7 @@ class KubeRuntime:
         rest = [p for p in pods if p.metadata.name not in lost]
         expected = {r for p in rest if p.status.phase not in _ENDED for r in _ranks(p)}
         if req.graceful and expected:
-            raise_elastic_event(req)  # issue 16: the control record the ranks poll (< 1 s)
+            raise_elastic_event(req)  # the control record the ranks poll (< 1 s)
             for pod in rest:  # the downwardAPI fallback
                 self.core.patch_namespaced_pod(
                     pod.metadata.name,
@@ -315,7 +315,7 @@ class KubeRuntime:
             exited = {rank: code for rank, code in codes.items() if code is not None}
             if any((p.metadata.annotations or {}).get(CONTROL) for p in pods.values()):
                 return None  # being stopped: stop_generation owns the outcome
-            # issue 16: notices ranks found (EC2 metadata) go to the workflow at once
+            # notices ranks found (EC2 metadata) go to the workflow at once
             notices = rank_notices(store, req.generation)
             if any(n.event_id not in req.known_events for n in notices):
                 return WatchResult(outcome="progress", notices=notices, **_steps(store, req))

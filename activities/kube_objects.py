@@ -125,7 +125,7 @@ def pod_body(
             "nodeSelector": {"kubernetes.io/hostname": hostname},
             "tolerations": [dict(t) for t in tolerations],
             "automountServiceAccountToken": False,
-            # issue 16: SIGTERM is an elastic event; the kubelet waits this long for it
+            # SIGTERM is an elastic event: the kubelet waits this long after it
             **(
                 {"terminationGracePeriodSeconds": math.ceil(plan.graceful_shutdown_s)}
                 if plan.graceful_shutdown_s is not None
