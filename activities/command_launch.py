@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # keeps pydantic out of every training process's start-up
     from spotrain.workflows.contract import GenerationPlan
 
-COMMAND_NODE = "spotrain.workers.command_node"
+COMMAND_NODE = "spotrain.elastic.torchrun"
 
 
 def launch_command(
@@ -21,7 +21,7 @@ def launch_command(
 ) -> list[str]:
     """argv for the node at `node_index` (rank order), or with `local_rank` for that one rank
     alone. `python` is the interpreter that has spotrain and torch (the image's, locally ours).
-    MASTER_ADDR and MASTER_PORT come from the worker environment."""
+    MASTER_ADDR and MASTER_PORT come from the rank environment."""
     if plan.job_type != "command":
         return list(plan.command)
     if local_rank is None:

@@ -1,9 +1,9 @@
-"""The Kubernetes worker runtime: each generation is one pod per node, started as a gang.
+"""The Kubernetes rank runtime: each generation is one pod per node, started as a gang.
 
 Per generation g of job J, pod `J-g<g>-<node index>` runs the job's image and command once,
 pinned to the member's node (EC2 instance id -> Kubernetes node through `spec.providerID`
-`aws:///<zone>/<id>` or the `node.kubernetes.io/instance-id` label), with the worker contract's
-environment (activities/worker_env.py). A node with `procs > 1` still gets one pod and one
+`aws:///<zone>/<id>` or the `node.kubernetes.io/instance-id` label), with the rank contract's
+environment (workers/elastic/environment.py). A node with `procs > 1` still gets one pod and one
 command: RANK is the node's first rank, LOCAL_RANK 0 and LOCAL_WORLD_SIZE its process count,
 so the command itself launches the local processes (e.g. `torchrun --nproc-per-node
 $LOCAL_WORLD_SIZE ...`). Rank discovery goes through a headless Service per job:
@@ -15,8 +15,9 @@ its ranks until all pods are Running and Ready and this runtime has marked the g
 started in the checkpoint store; a gang not ready in time is deleted, and never marked.
 
 The elastic event is the control record in the checkpoint store, which the training library
-polls every 0.25 s (workers/control.py); the pod annotation `spotrain.io/control` (empty: run,
-`stop`: checkpoint and exit), projected into /etc/spotrain/control through a downwardAPI volume
+polls every 0.25 s (workers/elastic/control.py); the pod annotation `spotrain.io/control`
+(empty: run, `stop`: checkpoint and exit), projected into /etc/spotrain/control through a
+downwardAPI volume
 that the kubelet refreshes on its sync period (about a minute), is the fallback. A pod's
 terminationGracePeriodSeconds is the job's graceful timeout: SIGTERM is an elastic event too.
 Acks and progress come from the checkpoint store.
@@ -54,7 +55,7 @@ from spotrain.activities.kube_objects import (
     service_body,
 )
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
-from spotrain.activities.store import JobStore, checked_store
+from spotrain.elastic.job_store import JobStore, checked_store
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
@@ -153,7 +154,7 @@ class GangFailed(Exception):
 
 
 class KubeRuntime:
-    """Worker runtime activities over the Kubernetes API.
+    """Rank runtime activities over the Kubernetes API.
 
     `namespace` may contain `{job}` for a namespace per job (created beforehand, with the Role
     bound in it); by default all jobs share one. `api_client` None loads the in-cluster service

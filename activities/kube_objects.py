@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from spotrain.activities.command_launch import launch_command
-from spotrain.activities.worker_env import rank_env
+from spotrain.elastic.environment import rank_env
 from spotrain.workflows.contract import GenerationPlan
 
 MANAGED = "spotrain.io/managed"
@@ -63,7 +63,7 @@ def pod_body(
     master_port: int,
     tolerations: tuple[dict[str, str], ...],
 ) -> dict[str, Any]:
-    """The pod of member `index`: pinned to its node, the worker contract's environment, the
+    """The pod of member `index`: pinned to its node, the rank contract's environment, the
     control annotation projected as a file, and the hostfile for Horovod jobs."""
     member = plan.members[index]
     name = pod_name(plan.job, plan.generation, index)
@@ -91,7 +91,7 @@ def pod_body(
             {"name": "hosts", "configMap": {"name": hosts_name(plan.job), "defaultMode": 0o755}}
         )
     container: dict[str, Any] = {
-        "name": "worker",
+        "name": "rank",
         "image": plan.image,
         "command": launch_command(plan, index, "python"),
         "env": [{"name": k, "value": v} for k, v in sorted(env.items())],

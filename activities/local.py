@@ -1,16 +1,16 @@
-"""The local worker runtime: each rank of a generation is a process on this machine.
+"""The local rank runtime: each rank of a generation is a process on this machine.
 
 State lives in files under `root`, so a controller that crashes (or a fresh LocalRuntime on
 the same root) finds everything again:
 
     jobs/<job>/gen-<g>/rank-<r>.pid     {"pid", "start", "node_id"}  start: /proc/<pid>/stat
-    jobs/<job>/gen-<g>/rank-<r>.exit    {"code", "time"}             written by rank_launcher
+    jobs/<job>/gen-<g>/rank-<r>.exit    {"code", "time"}             written by the launcher
     jobs/<job>/gen-<g>/rank-<r>.log     the rank's stdout and stderr
     jobs/<job>/gen-<g>/master_port      chosen once per generation
     jobs/<job>/gen-<g>/control          non-empty: the elastic event (the fallback of the
                                         control record in the checkpoint store)
 
-Each rank runs under `workers/rank_launcher.py` in a session of its own (the process group
+Each rank runs under `workers/elastic/launcher.py` in a session of its own (the process group
 id is the launcher's pid): it outlives the controller and its exit code is recorded anyway.
 A pid alone could be recycled; a pid with its kernel start time cannot.
 """
@@ -34,10 +34,10 @@ from typing import Any, Literal
 
 from temporalio import activity
 
-from spotrain.activities import worker_env
 from spotrain.activities.command_launch import launch_command
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
-from spotrain.activities.store import JobStore, checked_store
+from spotrain.elastic import environment, launcher
+from spotrain.elastic.job_store import JobStore, checked_store
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
@@ -49,7 +49,6 @@ from spotrain.workflows.contract import (
     WatchResult,
 )
 
-LAUNCHER = Path(__file__).resolve().parent.parent / "workers" / "rank_launcher.py"
 POLL_S = 0.25
 ELASTIC_EVENT = "checkpoint-and-stop\n"
 
@@ -147,7 +146,7 @@ class Rank:
 
 
 class LocalRuntime:
-    """Worker-runtime activities (contract names) over local processes, state under `root`."""
+    """Rank-runtime activities (contract names) over local processes, state under `root`."""
 
     def __init__(self, root: Path, term_grace_s: float = 5.0) -> None:
         self.root = Path(root)
@@ -214,7 +213,7 @@ class LocalRuntime:
                 rank += 1
                 if r.pid_file.exists():
                     continue
-                env = worker_env.rank_env(
+                env = environment.rank_env(
                     plan, node_index, local_rank, master_port=port, control_file=control
                 )
                 env["MASTER_ADDR"] = "127.0.0.1"  # every "node" of this runtime is this machine
@@ -227,7 +226,7 @@ class LocalRuntime:
         Workers inherit the controller's environment (PATH, cloud credentials for S3)."""
         with r.log_file.open("ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, str(LAUNCHER), str(r.exit_file), "--", *command],
+                [sys.executable, launcher.__file__, str(r.exit_file), "--", *command],
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -1,11 +1,11 @@
 """The elastic event as every runtime raises it, and the notices ranks find for themselves.
 
 `raise_elastic_event` writes the generation's control record to the checkpoint store, which
-every rank's library polls (workers/control.py): the same sub-second path on every runtime,
+every rank's library polls (workers/elastic/control.py): the same sub-second path on every runtime,
 before the runtime's own fallback (a local control file, a pod annotation). It also records how
 fast a reclaim notice got there: from the workflow acting on the notice to the record written.
 With the webhook's request-to-signal histogram, that is the whole path from the cloud's notice
-to the workers' channel.
+to the ranks' channel.
 
 `rank_notices` reads the reclaim notices ranks reported from EC2 instance metadata, for the
 runtimes' watch to hand to the workflow (which dedupes them by event id).
@@ -18,10 +18,10 @@ from datetime import UTC, datetime
 
 from temporalio import activity
 
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import ReclaimNotice, StopRequest
 
-NOTICE_TO_WORKERS = "spotrain_notice_to_workers_seconds"
+NOTICE_TO_RANKS = "spotrain_notice_to_ranks_seconds"
 
 
 def reset_control(checkpoint: str, generation: int) -> None:
@@ -47,7 +47,7 @@ def raise_elastic_event(req: StopRequest) -> None:
         return
     seconds = max(0.0, (datetime.now(UTC) - req.notice_at).total_seconds())
     activity.metric_meter().create_histogram_float(
-        NOTICE_TO_WORKERS, "reclaim notice acted on -> workers' elastic event raised", "s"
+        NOTICE_TO_RANKS, "reclaim notice acted on -> ranks' elastic event raised", "s"
     ).record(seconds)
 
 

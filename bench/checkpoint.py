@@ -6,7 +6,7 @@ to S3 (moto's server on loopback), side by side in one run.
 
 Real gloo ranks (subprocesses) hold a model of `--mb` MB (replicated, as under DDP: DCP spreads
 the writing over the ranks) and run steps of fixed work (a matmul and an all-reduce). Every
-`--interval-s` seconds they checkpoint through spotrain.workers.checkpoint (an interval longer
+`--interval-s` seconds they checkpoint through spotrain.elastic.checkpoint (an interval longer
 than a save, as an asynchronous save needs to pay off). Per checkpoint:
 - `blocked`: time inside the save call (sync: the whole save; async: copying the state to
   memory, plus waiting for the previous save if it is still being written);
@@ -39,7 +39,8 @@ def rank_main(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from spotrain.workers import checkpoint, elastic
+    from spotrain import elastic
+    from spotrain.elastic import checkpoint
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from spotrain.activities.store import JobStore
+    from spotrain.elastic.job_store import JobStore
     from spotrain.workers.stack import free_port
 
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)

@@ -5,7 +5,7 @@
 
 Local runtime, whole path: the real TrainingJob workflow on the Temporal dev server, the
 reclaim webhook (WebhookService, in this process, on loopback), and a worker with the local
-runtime starting real training processes (a cheap loop using `spotrain.workers.elastic`);
+runtime starting real training processes (a cheap loop using `spotrain.elastic`);
 nodes come from the simulated cloud (always capacity). Each reclaim is a POST to
 /v1/reclaims.
 
@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
     first_line = time.time()
-    from spotrain.workers import elastic
+    from spotrain import elastic
 
     s = elastic.wait_for_gang()
     tag = os.environ.get("BENCH_TAG") or os.environ.get("BENCH_PREFIX", "") + str(s.generation)

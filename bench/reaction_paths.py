@@ -1,6 +1,6 @@
 """The notice paths of bench/reaction.py beyond the local runtime's workflow: the Kubernetes
 runtime, EC2 instance metadata, and SIGTERM, each with real rank processes using
-`spotrain.workers.elastic`.
+`spotrain.elastic`.
 
 - Kubernetes: `KubeRuntime` as its ServiceAccount against the real control plane of the tests
   (tests/k8s_cluster.py: etcd, kube-apiserver, kube-scheduler, built by
@@ -30,9 +30,9 @@ from pathlib import Path
 from kubernetes import client
 from temporalio.testing import ActivityEnvironment
 
-from spotrain.activities import worker_env
 from spotrain.activities.kube import KubeRuntime
-from spotrain.activities.store import JobStore
+from spotrain.elastic import environment
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
 from tests import imds_mock
 from tests.k8s_cluster import NAMESPACE, ControlPlane, binaries
@@ -111,7 +111,7 @@ def _rank_env(root: Path, tag: str, **extra: str) -> dict[str, str]:
         total_steps=10**9,
     )
     JobStore(plan.checkpoint).mark_started(1, time.time())
-    env = worker_env.rank_env(plan, 0, 0, master_port=29500, control_file="")
+    env = environment.rank_env(plan, 0, 0, master_port=29500, control_file="")
     return {**os.environ, **env, **extra}
 
 

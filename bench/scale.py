@@ -124,6 +124,18 @@ async def until(check: Any, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+async def post_mortem(client: Client, runtime: NotifiedRuntime) -> str:
+    """What each job still waiting for its reaction last did, for a failure message."""
+    lines = []
+    for name, sent in runtime.signalled.items():
+        timeline = await client.get_workflow_handle(name).query("timeline")
+        recent = [
+            f"{e['time']} g{e['generation']} {e['event']} {e['detail']}" for e in timeline[-12:]
+        ]
+        lines.append(f"{name} (reclaim sent at {sent:.1f}): " + " | ".join(recent))
+    return "\n".join(lines)
+
+
 async def one_size(
     jobs: int, duration_s: float, reclaim_every_s: float, suggest_can: int, progress_s: float
 ) -> dict[str, Any]:
@@ -161,7 +173,12 @@ async def one_size(
                 reclaims = await reclaim_steadily(
                     client, runtime, names, duration_s, reclaim_every_s
                 )
-                await until(lambda: not runtime.signalled, 60 + jobs * 0.3, "the last reactions")
+                try:
+                    await until(
+                        lambda: not runtime.signalled, 60 + jobs * 0.3, "the last reactions"
+                    )
+                except TimeoutError as e:
+                    raise TimeoutError(f"{e}: {await post_mortem(client, runtime)}") from None
                 cpu = time.process_time() - cpu_before
                 elapsed = time.monotonic() - began
                 runs = await history_events(client, names)

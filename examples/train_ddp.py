@@ -1,10 +1,10 @@
 """A real elastic PyTorch DDP job: a small MLP learns a fixed-seed synthetic regression.
 
 Run by a spotrain runtime (it sets the torchrun-style and SPOTRAIN_* environment). Shows the
-whole worker contract:
+whole rank contract:
 - gloo on CPU, NCCL when CUDA is present;
 - torch.distributed.checkpoint (DCP) to the job's file:// or s3:// location through
-  `spotrain.workers.checkpoint`: asynchronous every `ckpt_every` steps (training goes on while
+  `spotrain.elastic.checkpoint`: asynchronous every `ckpt_every` steps (training goes on while
   it is written), synchronous on an elastic event; a new generation at another world size
   loads the newest complete one (DCP reshards);
 - a sampler keyed by the global sample position: step s consumes positions
@@ -31,7 +31,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from spotrain.workers import checkpoint, elastic
+from spotrain import elastic
+from spotrain.elastic import checkpoint
 
 DATASET_SIZE = 4096
 FEATURES = 8

@@ -2,7 +2,7 @@
 sequences (no weights or data downloaded). Run by a spotrain runtime (examples/job_hf.yaml).
 
 The spotrain parts are three lines: `wait_for_gang`, `training_arguments`, `ElasticTrainer`
-(`spotrain.workers.hf_trainer`). The elastic event saves and stops the Trainer at a step
+(`spotrain.elastic.hf_trainer`). The elastic event saves and stops the Trainer at a step
 boundary; the next generation resumes from that checkpoint at its own world size, with this
 world size's scale_config (e.g. learning_rate) and its share of the global batch.
 
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
 
-from spotrain.workers import elastic, hf_trainer
+from spotrain import elastic
+from spotrain.elastic import hf_trainer
 
 VOCAB, LENGTH, SAMPLES = 32, 12, 4096
 

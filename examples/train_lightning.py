@@ -21,7 +21,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from spotrain.workers import elastic, lightning_trainer
+from spotrain import elastic
+from spotrain.elastic import lightning_trainer
 
 SAMPLES, FEATURES = 4096, 8
 

@@ -1,4 +1,4 @@
-"""One rank of a checkpoint test: real gloo, real DCP through spotrain.workers.checkpoint.
+"""One rank of a checkpoint test: real gloo, real DCP through spotrain.elastic.checkpoint.
 
 argv[1] is a JSON list of operations, run in order; each prints one JSON line:
     ["save", step, kind]   synchronous save of a model whose every value is `step`
@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spotrain.workers import checkpoint, elastic
+from spotrain import elastic
+from spotrain.elastic import checkpoint
 
 
 def model_state(model: nn.Module, step: int) -> dict:

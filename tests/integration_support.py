@@ -13,7 +13,7 @@ from typing import Any
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.local import LocalRuntime, job_processes
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import (
     GenerationPlan,
     Member,
@@ -40,7 +40,7 @@ class Scenario:
     scale_config: dict[int, dict[str, Any]]
     job_type: str = "pytorch"
     procs_per_node: int = 1
-    env: dict[str, str] = field(default_factory=dict)  # more worker environment
+    env: dict[str, str] = field(default_factory=dict)  # more rank environment
 
     def __post_init__(self) -> None:
         self.activities = ActivityEnvironment()

@@ -16,7 +16,7 @@ from kubernetes import client
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.kube import KubeRuntime
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import GenerationPlan, Member, StopRequest, WatchRequest
 from tests.k8s_cluster import NAMESPACE as NS
 from tests.k8s_cluster import ControlPlane, Request

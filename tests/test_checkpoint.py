@@ -1,5 +1,5 @@
 """Checkpoints for real: gloo ranks as subprocesses save and load DCP checkpoints through
-spotrain.workers.checkpoint, straight to moto's S3 server on loopback (and to files)."""
+spotrain.elastic.checkpoint, straight to moto's S3 server on loopback (and to files)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.local import LocalRuntime
-from spotrain.activities.store import JobStore, StoreUnusable, checked_store
+from spotrain.elastic.job_store import JobStore, StoreUnusable, checked_store
 from spotrain.workers.stack import free_port
 from spotrain.workflows.contract import CONFIG_ERROR
 

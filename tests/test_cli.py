@@ -26,7 +26,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.ec2 import MANAGED, TAG_JOB
 from spotrain.activities.local import LocalRuntime
-from spotrain.activities.store import JobStore, open_store
+from spotrain.elastic.job_store import JobStore, open_store
 from spotrain.workers.webhook import WebhookConfig, WebhookService
 from spotrain.workers.webhook_auth import AuthConfig
 from spotrain.workflows.state import JobStatus

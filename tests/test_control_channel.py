@@ -26,11 +26,11 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from spotrain.activities import worker_env
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.notice import raise_elastic_event
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.activities.store import JobStore
+from spotrain.elastic import environment
+from spotrain.elastic.job_store import JobStore
 from spotrain.workers.stack import free_port
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
 from spotrain.workflows.state import JobStatus
@@ -43,7 +43,7 @@ from tests import imds_mock
 RANK = textwrap.dedent(
     """
     import json, os, sys, time
-    from spotrain.workers import elastic
+    from spotrain import elastic
 
     out = sys.argv[1]
     if os.environ.get("GANG", "1") == "1":
@@ -81,7 +81,7 @@ class Rank:
         )
         script = tmp_path / "rank.py"
         script.write_text(RANK)
-        rank_env = worker_env.rank_env(
+        rank_env = environment.rank_env(
             self.plan, 1, 0, master_port=29500, control_file=str(self.control_file)
         )
         with self.log.open("wb") as log:
@@ -254,7 +254,7 @@ JOB_RANK = textwrap.dedent(
     if os.path.exists(imds):
         os.environ["SPOTRAIN_IMDS_ENDPOINT"] = open(imds).read()
         os.environ["SPOTRAIN_IMDS_POLL_S"] = "0.2"
-    from spotrain.workers import elastic
+    from spotrain import elastic
 
     elastic.wait_for_gang()
     latest = elastic.latest_checkpoint()

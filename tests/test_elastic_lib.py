@@ -1,5 +1,5 @@
 """The training library in this process, with the environment the runtimes really build
-(worker_env.rank_env), against a file store and against S3 (moto's server on loopback)."""
+(environment.rank_env), against a file store and against S3 (moto's server on loopback)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any
 import boto3
 import pytest
 
-from spotrain.activities import worker_env
-from spotrain.activities.store import JobStore
-from spotrain.workers import control, elastic
+from spotrain import elastic
+from spotrain.elastic import control, environment
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import GenerationPlan, Member
 
 
@@ -54,7 +54,7 @@ def as_rank(
     )
     control = tmp_path / "control"
     node, local = divmod(rank, 2)
-    env = worker_env.rank_env(plan, node, local, master_port=29500, control_file=str(control))
+    env = environment.rank_env(plan, node, local, master_port=29500, control_file=str(control))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return control

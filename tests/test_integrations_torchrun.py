@@ -1,6 +1,6 @@
 """The zero-change path for real: examples/train_torchrun.py (no spotrain import) as a
 `type: command` job: the local runtime starts torchrun for each rank through
-spotrain.workers.command_node, which turns the elastic event into the script's SIGTERM.
+spotrain.elastic.torchrun, which turns the elastic event into the script's SIGTERM.
 2 ranks, a reclaim with notice, 3 ranks, a node lost without notice, 1 rank to the end."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_launch_command_wraps_only_command_jobs(tmp_path: Path) -> None:
     sc.procs_per_node = 2
     p = sc.plan(0, nodes=2)
     node1 = launch_command(p, 1, "python")
-    assert node1[:4] == ["python", "-m", "spotrain.workers.command_node", "node"]
+    assert node1[:4] == ["python", "-m", "spotrain.elastic.torchrun", "node"]
     assert node1[4:] == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--", *p.command]
     rank3 = launch_command(p, 1, "py", local_rank=1)
     assert rank3[4:7] == ["--nnodes=4", "--node-rank=3", "--nproc-per-node=1"]

@@ -19,7 +19,7 @@ from temporalio.testing import ActivityEnvironment
 from bench.reaction import SCRIPT
 from bench.reaction_paths import read_times, wait_first_steps
 from spotrain.activities.kube import KubeRuntime
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import (
     CleanupRequest,
     GenerationPlan,

@@ -1,4 +1,4 @@
-"""The Kubernetes worker runtime against a real control plane (tests/k8s_cluster.py): etcd,
+"""The Kubernetes rank runtime against a real control plane (tests/k8s_cluster.py): etcd,
 kube-apiserver with RBAC, kube-scheduler and kwok, built from their Go modules.
 
 The runtime authenticates as the `spotrain-worker` ServiceAccount that infra/k8s/rbac.yaml
@@ -35,7 +35,7 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from spotrain.activities.kube import KubeRuntime
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
@@ -392,7 +392,7 @@ def test_the_control_annotation_reaches_the_library_through_the_downward_api(
 
         def rank_sees_event() -> bool:
             control.write_text(double.projected_file(NS, "mnist-g1-0", "control"))  # kubelet
-            probe = "from spotrain.workers import elastic; print(elastic.elastic_event_detected())"
+            probe = "from spotrain import elastic; print(elastic.elastic_event_detected())"
             local = env | {"SPOTRAIN_CONTROL_FILE": str(control)}
             out = subprocess.run(
                 [sys.executable, "-c", probe], env=os.environ | local, capture_output=True

@@ -16,7 +16,7 @@ from kubernetes import client, utils, watch
 from temporalio.exceptions import ApplicationError
 
 from spotrain.activities.kube import KubeRuntime
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,

@@ -16,7 +16,7 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.local import LocalRuntime, Rank, _proc_start_time
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import (
     CleanupRequest,
     GenerationPlan,
@@ -32,7 +32,7 @@ from spotrain.workflows.contract import (
 WORKER = textwrap.dedent(
     """
     import os, signal, sys, time
-    from spotrain.workers import elastic
+    from spotrain import elastic
 
     mode = sys.argv[1]
     s = elastic.wait_for_gang()
@@ -292,7 +292,7 @@ def test_completed_waits_until_every_launcher_has_exited(
 def test_a_notice_a_rank_found_goes_to_the_workflow_and_its_stop_is_no_fault(
     env: ActivityEnvironment, tmp_path: Path, worker: Path
 ) -> None:
-    """A rank that heard EC2 itself (workers/imds.py) reports the notice to the store and
+    """A rank that heard EC2 itself (workers/elastic/imds.py) reports the notice to the store and
     stops; here SIGTERM stands in for its own elastic event. The watch hands the notice over
     at once, and after that the rank's exit 0 is no fault."""
     rt = LocalRuntime(tmp_path / "rt")

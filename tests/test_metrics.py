@@ -2,7 +2,7 @@
 --json-logs` as a real subprocess against the real Temporal dev server, running a job of real
 rank processes (tests/chaos/train.py, local runtime) through a reclaim notice. The endpoint
 serves the Temporal SDK's own metrics beside spotrain's, including how long the notice took to
-reach the workers."""
+reach the ranks."""
 
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ async def test_worker_serves_sdk_and_job_metrics_and_json_logs(
         worker.wait(timeout=30)
         LocalRuntime(tmp_path).cleanup_job(CleanupRequest(job=name, keep=True))  # if it did not
     assert job_processes(name) == []
-    assert values["spotrain_notice_to_workers_seconds_count"] == 1
-    assert 0 <= values["spotrain_notice_to_workers_seconds_sum"] < 10
+    assert values["spotrain_notice_to_ranks_seconds_count"] == 1
+    assert 0 <= values["spotrain_notice_to_ranks_seconds_sum"] < 10
     assert values["spotrain_resizes"] >= 1
     assert any(k.startswith("temporal_") for k in values), sorted(values)[:20]  # the SDK's own
     lines = [line for line in logs.read_text().splitlines() if line.startswith("{")]

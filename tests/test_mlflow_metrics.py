@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from spotrain.workers import elastic, mlflow_metrics
+from spotrain import elastic
+from spotrain.elastic import mlflow_metrics
 
 MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 

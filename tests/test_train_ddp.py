@@ -16,7 +16,7 @@ import yaml
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.local import LocalRuntime
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import (
     GenerationPlan,
     Member,

@@ -427,7 +427,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     an unreachable Temporal stops gc before anything is reaped."""
     from spotrain.activities.ec2 import EC2Provider, reap
     from spotrain.activities.local import LocalRuntime
-    from spotrain.activities.store import reap_checkpoints
+    from spotrain.elastic.job_store import reap_checkpoints
     from spotrain.workers.worker import DEFAULT_STATE_DIR
 
     c = await client()

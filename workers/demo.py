@@ -23,7 +23,7 @@ from rich.live import Live
 from rich.table import Table
 
 from spotrain.activities.local import job_processes
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workers.stack import CHECKPOINT_BUCKET, Stack, StackConfig
 from spotrain.workflows.checkpoints import describe
 from spotrain.workflows.state import JobResult, JobStatus, Phase

@@ -1,5 +1,5 @@
 """The Temporal worker: TrainingJob and CapacityPool workflows, plus one node provider and one
-worker runtime.
+rank runtime.
 
 The workflow calls activities by name and never knows which implementation answers: the
 worker picks them when it starts. It holds no state of its own, so it can be killed and

@@ -46,7 +46,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(records: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> CheckpointStats:
-    """The store's checkpoint records (see activities/store.py) as stats."""
+    """The store's checkpoint records (see workers/elastic/job_store.py) as stats."""
     durations = [float(r["duration_s"]) for r in records]
     blocked = [float(r["blocked_s"]) for r in records]
     kinds: dict[str, int] = {}

@@ -2,7 +2,7 @@
 
 The workflow calls activities by name (the constants below); a worker registers one
 implementation of each: EC2 or a simulated cloud for the node provider, local processes,
-Kubernetes pods or a simulation for the worker runtime. Everything here is plain data, so it
+Kubernetes pods or a simulation for the rank runtime. Everything here is plain data, so it
 is safe inside the workflow sandbox and survives the pydantic data converter.
 """
 
@@ -170,7 +170,7 @@ class ReleaseRequest(Regional):
     node_ids: list[str]
 
 
-# --- worker runtime --------------------------------------------------------------------------
+# --- rank runtime --------------------------------------------------------------------------
 
 
 class Member(Message):

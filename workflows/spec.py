@@ -45,7 +45,7 @@ class SpotPolicy(Strict):
     region: str = Field("us-east-1", description="home region: on-demand nodes are bought here")
     more_regions: list[str] = Field(
         default_factory=list,
-        description="more regions whose spot pools may serve (the workers' network must span them)",
+        description="more regions whose spot pools may serve (the ranks' network must span them)",
     )
     zones: list[str] = Field(default_factory=list, description="empty: any zone of the regions")
     max_price: float | None = Field(None, gt=0, description="USD per hour; default on-demand")
@@ -102,7 +102,7 @@ class ElasticPolicy(Strict):
     )
     opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
     progress_report_interval_s: PositiveSeconds = Field(
-        30, description="how often running workers' progress reaches the workflow"
+        30, description="how often running ranks' progress reaches the workflow"
     )
     capacity_check_interval_s: PositiveSeconds = Field(
         120, description="how often to look for spot capacity and reconcile node states"
@@ -159,7 +159,7 @@ class JobSpec(Strict):
     total_steps: int = Field(gt=0, description="the job is done when this many steps are done")
     global_batch_size: int | None = Field(None, ge=1)
     scale_config: dict[int, dict[str, Any]] = Field(
-        default_factory=dict, description="per-world-size overrides passed to workers"
+        default_factory=dict, description="per-world-size overrides passed to ranks"
     )
     elastic: ElasticPolicy = Field(default_factory=ElasticPolicy)
     spot: SpotPolicy

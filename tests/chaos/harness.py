@@ -41,7 +41,7 @@ from temporalio.service import RPCError
 
 from spotrain.activities.ec2 import LIVE_STATES, TAG_JOB, TAG_SLOT
 from spotrain.activities.local import job_processes
-from spotrain.activities.store import JobStore
+from spotrain.elastic.job_store import JobStore
 from spotrain.workers.binaries import temporal_cli
 from spotrain.workers.stack import free_port
 from spotrain.workflows import attributes
@@ -275,7 +275,7 @@ async def fail_orphaned_attempts(client: Client, job: str) -> int:
 
 async def post_mortem(env: ChaosEnv, handle: Handle) -> str:
     """What a stuck job was doing, for the failure message (CI keeps no scratch space): its
-    status, its pending activities, its ranks' last records and its workers' last log lines."""
+    status, its pending activities, its ranks' last records and its ranks' last log lines."""
     lines = [f"status: {await status(handle)}"]
     with contextlib.suppress(RPCError):
         desc = await handle.describe()

@@ -2,7 +2,7 @@
 
 It writes every step it does to `$CHAOS_RECORD_DIR/gen-<g>-rank-<r>.steps` (first line:
 where it started, its world size and node), so the test can prove steps add up exactly from
-the workers' own record, whatever the controller did. CHAOS_ACK_DELAY_S stretches the
+the ranks' own record, whatever the controller did. CHAOS_ACK_DELAY_S stretches the
 checkpoint after an elastic event (to make a resize last long enough to interrupt).
 CHAOS_HOLD_AT: ranks stop stepping at that step (still answering elastic events) until the
 file `go` appears in the record directory, so a slow machine cannot finish the job before
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from spotrain.workers import elastic
+from spotrain import elastic
 
 STEP_S = 0.02
 CHECKPOINT_EVERY = 10

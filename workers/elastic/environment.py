@@ -1,7 +1,7 @@
-"""The worker contract's environment, identical for local processes and Kubernetes pods.
+"""The rank contract's environment, identical for local processes and Kubernetes pods.
 
 torchrun-compatible variables plus spotrain's own, so a training script (through
-`spotrain.workers.elastic`) knows its job, generation, checkpoint store, control file,
+`spotrain.elastic`) knows its job, generation, checkpoint store, control file,
 scale_config and its share of an uneven global batch.
 """
 

@@ -39,8 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotrain.activities.store import JobStore
-from spotrain.workers import elastic
+from spotrain import elastic
+from spotrain.elastic.job_store import JobStore
 
 # DCP reports a failure on any rank to every rank as a CheckpointException (a BaseException).
 FAILED = (Exception, CheckpointException)

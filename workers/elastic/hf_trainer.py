@@ -1,6 +1,7 @@
 """Hugging Face `transformers.Trainer` on spotrain (`pip install spotrain[hf]`).
 
-    from spotrain.workers import elastic, hf_trainer
+    from spotrain import elastic
+    from spotrain.elastic import hf_trainer
 
     elastic.wait_for_gang()
     args = hf_trainer.training_arguments(learning_rate=1e-3)   # job settings filled in
@@ -12,12 +13,12 @@
   job's latest, then acked. Progress goes to the job every step (throttled), and a finished
   run leaves the completion marker. With a tracking location, the Trainer's logs (loss,
   learning rate, throughput) and the generation's start and end go to the job's MLflow run
-  (`spotrain.workers.mlflow_metrics`).
+  (`spotrain.elastic.mlflow_metrics`).
 - `training_arguments`: max_steps from the job's total_steps, the per-device batch size from
   this rank's share of global_batch_size, and the scale_config of this world size applied on
   top (keys named like TrainingArguments fields, plus `lr` for learning_rate).
 - `ElasticTrainer`: a Trainer with the callback and the elastic sampler
-  (`spotrain.workers.elastic_sampler`): ranks take uneven shares of each global batch, the loss
+  (`spotrain.elastic.sampler`): ranks take uneven shares of each global batch, the loss
   is normalised over the global batch (`average_tokens_across_devices`), and a resumed
   generation at any world size continues the same sample stream. A plain Trainer with only the
   callback shards batches evenly (accelerate's sampler), and repeats part of an epoch's data
@@ -40,8 +41,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from spotrain.workers import elastic, mlflow_metrics
-from spotrain.workers.elastic_sampler import ElasticBatchSampler
+from spotrain import elastic
+from spotrain.elastic import mlflow_metrics
+from spotrain.elastic.sampler import ElasticBatchSampler
 
 ALIASES = {"lr": "learning_rate"}
 
@@ -111,7 +113,7 @@ def _barrier() -> None:
 
 
 class SpotrainCallback(TrainerCallback):
-    """The worker contract inside the Trainer's loop (every rank runs it)."""
+    """The rank contract inside the Trainer's loop (every rank runs it)."""
 
     def __init__(self) -> None:
         self.stopping = False

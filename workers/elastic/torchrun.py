@@ -1,13 +1,13 @@
-"""Run a spotrain-unaware training command under torchrun, speaking the worker contract for it.
+"""Run a spotrain-unaware training command under torchrun, speaking the rank contract for it.
 
 A `type: command` job names a plain torchrun script (no spotrain import). The runtime starts
 this module once per node (the local runtime: once per rank) in the script's place:
 
-    python -m spotrain.workers.command_node node --nnodes N --node-rank R --nproc-per-node P \\
+    python -m spotrain.elastic.torchrun node --nnodes N --node-rank R --nproc-per-node P \\
         -- COMMAND [ARG ...]
 
 It waits for the gang, then runs `torch.distributed.run` with the generation's static
-rendezvous (MASTER_ADDR and MASTER_PORT from the worker environment), and:
+rendezvous (MASTER_ADDR and MASTER_PORT from the rank environment), and:
 - turns the elastic event (or a SIGTERM of its own) into SIGTERM to the script's processes:
   the script's own SIGTERM handler is its checkpoint hook; it saves and exits 0;
 - on exit 0 after that, acks for this node's ranks (the step is the script's business: 0);
@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from spotrain.activities import worker_env
-from spotrain.workers import elastic
+from spotrain import elastic
+from spotrain.elastic import environment
 
 POLL_S = 0.1
 DONE_WAIT_S = 120.0  # how long a non-zero node waits for node 0's completion marker
@@ -72,7 +72,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
         "--no-python",
         sys.executable,
         "-m",
-        "spotrain.workers.command_node",
+        "spotrain.elastic.torchrun",
         "exec",
         "--",
         *args.command,
@@ -99,7 +99,7 @@ def run_node(args: argparse.Namespace) -> int:
     event = notice or elastic.elastic_event_detected()
     if event:  # stopped before it started: nothing to save
         return ack(s, args.nproc_per_node)
-    env = {k: v for k, v in os.environ.items() if k != worker_env.LOCAL_BATCH_SIZE}  # per rank
+    env = {k: v for k, v in os.environ.items() if k != environment.LOCAL_BATCH_SIZE}  # per rank
     agent = subprocess.Popen(torchrun_argv(args), env=env)
     signaled: set[int] = set()  # workers told; one that torchrun starts later is told too
     while agent.poll() is None:
@@ -143,7 +143,7 @@ def exec_worker(command: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spotrain.workers.command_node")
+    parser = argparse.ArgumentParser(prog="python -m spotrain.elastic.torchrun")
     sub = parser.add_subparsers(dest="mode", required=True)
     node = sub.add_parser("node", help="run torchrun for one node")
     node.add_argument("--nnodes", type=int, required=True)

@@ -13,7 +13,7 @@ from a daemon thread of each rank, every `SPOTRAIN_CONTROL_POLL_S` (0.25 s):
 The same threads poll the fallbacks, each in its own thread so a slow one delays no other:
 the runtime's control file (`SPOTRAIN_CONTROL_FILE`: locally a file the runtime writes; on
 Kubernetes the pod annotation projected by a downwardAPI volume, which the kubelet refreshes
-only on its sync period) and, where configured, EC2 instance metadata (workers/imds.py).
+only on its sync period) and, where configured, EC2 instance metadata (workers/elastic/imds.py).
 
 Whatever raised it, the event latches: `Channel.latched` is a plain attribute, so checking it
 in the training loop costs a few hundred nanoseconds. A source that fails (store unreachable,
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from spotrain.activities.store import FileStore, JobStore, S3Store
+from spotrain.elastic.job_store import FileStore, JobStore, S3Store
 
 log = logging.getLogger("spotrain.elastic")
 

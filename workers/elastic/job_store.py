@@ -262,7 +262,7 @@ class JobStore:
     def done(self) -> dict[str, Any] | None:
         return self.store.get_json("done.json")
 
-    # --- control channel (workers/control.py): orchestrator -> ranks, ranks -> orchestrator --
+    # --- control channel (control.py): orchestrator -> ranks, ranks -> orchestrator ---------
     #   gen-00003/control.json               {"kind": "stop", "event_id", "time", ...}
     #   gen-00003/notice/<event id>.json     a reclaim notice a rank found (EC2 metadata)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from spotrain.workers import elastic
+from spotrain import elastic
 
 TRACKING_URI = "MLFLOW_TRACKING_URI"
 EXPERIMENT = "MLFLOW_EXPERIMENT_NAME"

@@ -1,6 +1,6 @@
-"""The worker side of spotrain's worker contract, for any training script (no torch here).
+"""The rank side of spotrain's rank contract, for any training script (no torch here).
 
-    from spotrain.workers import elastic
+    from spotrain import elastic
 
     s = elastic.wait_for_gang()                 # the generation's settings, once all nodes are up
     for step in range(start, s.total_steps):
@@ -20,11 +20,11 @@ Gang start: `wait_for_gang` holds the rank until the runtime has every node of t
 up (on Kubernetes: all its pods Running and Ready), so no rank trains, or times out in its
 rendezvous, beside a pod still pulling its image. Call it before the process group.
 
-The elastic event reaches the rank through the control channel (workers/control.py): daemon
+The elastic event reaches the rank through the control channel (workers/elastic/control.py): daemon
 threads, started by the first `wait_for_gang` or `elastic_event_detected`, poll the
 generation's control record in the checkpoint store every 0.25 s, the runtime's control file
 (`SPOTRAIN_CONTROL_FILE`) as a fallback, and EC2 instance metadata where
-`SPOTRAIN_IMDS_ENDPOINT` is set (workers/imds.py). `elastic_event_detected()` only reads the
+`SPOTRAIN_IMDS_ENDPOINT` is set (workers/elastic/imds.py). `elastic_event_detected()` only reads the
 latched flag.
 
 SIGTERM is an elastic event too (a pod deleted, a node drained, an eviction): the library
@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from spotrain.activities import worker_env
-from spotrain.activities.store import JobStore
-from spotrain.workers.control import Channel, ControlFile, StoreRecord, poll_interval
-from spotrain.workers.imds import Imds
+from spotrain.elastic import environment
+from spotrain.elastic.control import Channel, ControlFile, StoreRecord, poll_interval
+from spotrain.elastic.imds import Imds
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.planner import local_batch_size
 
 PROGRESS_INTERVAL_S = 1.0
@@ -99,18 +99,18 @@ def settings() -> Settings:
     """The generation's settings; raises KeyError naming a variable the runtime did not set."""
     env = os.environ
     return Settings(
-        job=env[worker_env.JOB],
-        generation=int(env[worker_env.GENERATION]),
+        job=env[environment.JOB],
+        generation=int(env[environment.GENERATION]),
         rank=int(env["RANK"]),
         local_rank=int(env.get("LOCAL_RANK", "0")),
         world_size=int(env["WORLD_SIZE"]),
-        node_id=env.get(worker_env.NODE_ID, ""),
-        checkpoint=env[worker_env.CHECKPOINT],
-        control_file=env.get(worker_env.CONTROL_FILE, ""),
-        total_steps=int(env[worker_env.TOTAL_STEPS]),
-        scale_config=json.loads(env.get(worker_env.SCALE_CONFIG) or "{}"),
-        global_batch_size=_optional_int(worker_env.GLOBAL_BATCH_SIZE),
-        local_batch_size=_optional_int(worker_env.LOCAL_BATCH_SIZE),
+        node_id=env.get(environment.NODE_ID, ""),
+        checkpoint=env[environment.CHECKPOINT],
+        control_file=env.get(environment.CONTROL_FILE, ""),
+        total_steps=int(env[environment.TOTAL_STEPS]),
+        scale_config=json.loads(env.get(environment.SCALE_CONFIG) or "{}"),
+        global_batch_size=_optional_int(environment.GLOBAL_BATCH_SIZE),
+        local_batch_size=_optional_int(environment.LOCAL_BATCH_SIZE),
     )
 
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 from torch.utils.data import Sampler
 
-from spotrain.workers import elastic
+from spotrain import elastic
 
 
 @lru_cache(maxsize=4)

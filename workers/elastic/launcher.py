@@ -4,8 +4,9 @@ The local runtime starts every rank through this wrapper in a session of its own
 outlives a crashed controller and its exit code still lands on disk (atomically) for the next
 controller to read. SIGTERM and SIGINT are forwarded to the rank, which decides how to exit.
 
-Usage: python rank_launcher.py EXIT_FILE -- COMMAND [ARG ...]
-Standard library only: it starts before, and independently of, everything else.
+Usage: python launcher.py EXIT_FILE -- COMMAND [ARG ...]
+Standard library only, and run by file path (its module's `__file__`), not with `-m`: it starts
+before, and independently of, everything else, without importing the package.
 """
 
 from __future__ import annotations

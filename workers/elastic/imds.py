@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from spotrain.workers.control import STOP, log
+from spotrain.elastic.control import STOP, log
 
 ENDPOINT_ENV = "SPOTRAIN_IMDS_ENDPOINT"
 POLL_ENV = "SPOTRAIN_IMDS_POLL_S"
@@ -42,7 +42,7 @@ REBALANCE = "events/recommendations/rebalance"
 
 
 class Imds:
-    """A control-channel source (workers/control.py) over IMDSv2."""
+    """A control-channel source (workers/elastic/control.py) over IMDSv2."""
 
     name = "EC2 instance metadata"
 

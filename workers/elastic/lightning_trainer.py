@@ -1,6 +1,7 @@
 """PyTorch Lightning on spotrain (`pip install spotrain[lightning]`).
 
-    from spotrain.workers import elastic, lightning_trainer
+    from spotrain import elastic
+    from spotrain.elastic import lightning_trainer
 
     elastic.wait_for_gang()
     trainer = lightning.Trainer(**lightning_trainer.trainer_kwargs())
@@ -19,7 +20,7 @@
 - `trainer_kwargs`: max_steps, DDP over this generation's nodes and processes, the callback,
   and no distributed sampler of Lightning's own (the elastic one replaces it).
 - `dataloader`: this rank's uneven share of each global batch, continuing the job's sample
-  stream at the restored step (`spotrain.workers.elastic_sampler`). The loss must be a global
+  stream at the restored step (`spotrain.elastic.sampler`). The loss must be a global
   mean: sum over the local batch times world_size / global_batch_size (DDP averages).
 
 Restart mode: a resize ends the generation; the next resumes from the checkpoint.
@@ -34,8 +35,9 @@ from urllib.parse import urlparse
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
-from spotrain.workers import elastic, mlflow_metrics
-from spotrain.workers.elastic_sampler import ElasticBatchSampler
+from spotrain import elastic
+from spotrain.elastic import mlflow_metrics
+from spotrain.elastic.sampler import ElasticBatchSampler
 
 
 def checkpoint_dir(s: elastic.Settings) -> str:
@@ -55,7 +57,7 @@ def resume_checkpoint() -> str | None:
 
 
 class SpotrainCallback(pl.Callback):
-    """The worker contract inside Lightning's fit loop (every rank runs it)."""
+    """The rank contract inside Lightning's fit loop (every rank runs it)."""
 
     def __init__(self) -> None:
         self.stopping = False
