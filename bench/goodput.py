@@ -34,9 +34,9 @@ from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimJob, SimulatedCloud, SimulatedRuntime
+from spotrain.workers.worker import workflow_worker
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     GenerationPlan,
@@ -46,7 +46,6 @@ from spotrain.workflows.contract import (
     WatchResult,
 )
 from spotrain.workflows.state import JobResult, JobStatus
-from spotrain.workflows.training_job import TrainingJob
 
 from .common import REPO, Trace, load_traces, publish, time_skipping_server
 
@@ -438,11 +437,10 @@ async def new_run(env: WorkflowEnvironment, setup: Setup) -> AsyncIterator[Run]:
     )
     run = Run(env, setup, cloud, RecordingRuntime(setup), uuid.uuid4().hex, t0)
     with ThreadPoolExecutor(max_workers=8) as pool:
-        async with Worker(
+        async with workflow_worker(
             env.client,
-            task_queue=run.task_queue,
-            workflows=[TrainingJob],
-            activities=cloud.activities() + run.runtime.activities(),
+            run.task_queue,
+            cloud.activities() + run.runtime.activities(),
             activity_executor=pool,
         ):
             yield run

@@ -42,15 +42,14 @@ from typing import Any
 
 import aiohttp
 from temporalio.client import Client, WorkflowHandle
-from temporalio.worker import Worker
 
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.webhook import WebhookConfig, WebhookService
 from spotrain.workers.webhook_auth import AuthConfig
+from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobStatus
-from spotrain.workflows.training_job import TrainingJob
 from tests import imds_mock
 
 from . import reaction_paths as paths
@@ -204,11 +203,10 @@ async def measure(client: Client, root: Path, reclaims: int, nodes: int) -> dict
     sent_at: dict[int, float] = {}  # generation stopped -> when its reclaim was sent
     with ThreadPoolExecutor(max_workers=16) as pool:
         async with (
-            Worker(
+            workflow_worker(
                 client,
-                task_queue=queue,
-                workflows=[TrainingJob],
-                activities=cloud.activities() + runtime.activities(),
+                queue,
+                cloud.activities() + runtime.activities(),
                 activity_executor=pool,
             ),
             aiohttp.ClientSession() as http,

@@ -27,13 +27,12 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
+from spotrain.workers.worker import workflow_worker
 from spotrain.workflows import contract
 from spotrain.workflows.contract import StopRequest, StopResult
 from spotrain.workflows.history import HISTORY_EVENTS_BEFORE_CONTINUE
-from spotrain.workflows.training_job import TrainingJob
 
 from .common import REPO, dev_server, publish, summary, table
 
@@ -146,11 +145,10 @@ async def one_size(
         queue = uuid.uuid4().hex
         names = [f"scale-{queue[:6]}-{i}" for i in range(jobs)]
         with ThreadPoolExecutor(max_workers=32) as pool:
-            async with Worker(
+            async with workflow_worker(
                 client,
-                task_queue=queue,
-                workflows=[TrainingJob],
-                activities=cloud.activities() + runtime.activities(),
+                queue,
+                cloud.activities() + runtime.activities(),
                 activity_executor=pool,
                 max_cached_workflows=jobs + 100,
             ):

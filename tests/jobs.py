@@ -17,10 +17,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from temporalio.client import Client, WorkflowHandle
-from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
-from spotrain.workers.worker import WORKFLOWS
+from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.pool import PoolConfig, pool_workflow_id
 from spotrain.workflows.state import JobResult, JobStatus
 
@@ -126,11 +125,10 @@ async def simulated(
     """A worker running TrainingJob with the simulated cloud and runtime on its own queue."""
     sim = Sim(client, cloud or SimulatedCloud(), runtime or SimulatedRuntime(), uuid.uuid4().hex)
     with ThreadPoolExecutor(max_workers=16) as pool:
-        async with Worker(
+        async with workflow_worker(
             client,
-            task_queue=sim.task_queue,
-            workflows=WORKFLOWS,
-            activities=sim.cloud.activities() + sim.runtime.activities(),
+            sim.task_queue,
+            sim.cloud.activities() + sim.runtime.activities(),
             activity_executor=pool,
             **worker_options,
         ):

@@ -24,7 +24,6 @@ import boto3
 import pytest
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.notice import raise_elastic_event
@@ -32,9 +31,9 @@ from spotrain.activities.simulated import SimulatedCloud
 from spotrain.elastic import environment
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.stack import free_port
+from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
 from spotrain.workflows.state import JobStatus
-from spotrain.workflows.training_job import TrainingJob
 from tests import imds_mock
 
 # Steps every 10 ms until the elastic event, counting steps in OUT.steps; then acks (unless
@@ -311,11 +310,10 @@ async def test_an_imds_notice_reaches_the_workflow_without_a_webhook(
         "on_demand": {"fallback": False},
     }
     with ThreadPoolExecutor(8) as pool:
-        async with Worker(
+        async with workflow_worker(
             dev_env.client,
-            task_queue=queue,
-            workflows=[TrainingJob],
-            activities=SimulatedCloud(zones=["us-east-1a"]).activities() + runtime.activities(),
+            queue,
+            SimulatedCloud(zones=["us-east-1a"]).activities() + runtime.activities(),
             activity_executor=pool,
         ):
             handle = await dev_env.client.start_workflow(

@@ -22,11 +22,10 @@ from pathlib import Path
 
 from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.workers.worker import WORKFLOWS
+from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.state import JobResult
 from tests.jobs import Sim, fast_spec, running_at, sizes, until
 from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
@@ -99,11 +98,10 @@ async def test_training_job_reclaimed_and_grown_on_kubernetes(
         nodes_follow_instances(cloud, cluster, kubelet),
         ThreadPoolExecutor(16) as pool,
     ):
-        async with Worker(
+        async with workflow_worker(
             dev_env.client,
-            task_queue=queue,
-            workflows=WORKFLOWS,
-            activities=cloud.activities() + runtime.activities(),
+            queue,
+            cloud.activities() + runtime.activities(),
             activity_executor=pool,
         ):
             sim = Sim(dev_env.client, cloud, runtime, queue)  # type: ignore[arg-type]

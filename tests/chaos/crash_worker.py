@@ -30,12 +30,11 @@ from temporalio.worker import (
     ActivityInboundInterceptor,
     ExecuteActivityInput,
     Interceptor,
-    Worker,
 )
 
 from spotrain.activities import local
 from spotrain.workers.connect import connect
-from spotrain.workers.worker import WORKFLOWS, build_activities, parser
+from spotrain.workers.worker import build_activities, parser, workflow_worker
 
 POINT = os.environ.get("CHAOS_CRASH", "")
 
@@ -97,11 +96,10 @@ async def main() -> None:
     activities = build_activities(args.provider, args.runtime, args.state_dir)
     client = await connect()
     with ThreadPoolExecutor(max_workers=64) as pool:
-        async with Worker(
+        async with workflow_worker(
             client,
-            task_queue=args.task_queue,
-            workflows=WORKFLOWS,
-            activities=activities,
+            args.task_queue,
+            activities,
             activity_executor=pool,
             interceptors=[CrashInterceptor()],
         ):
