@@ -93,7 +93,7 @@ def pod_body(
     container: dict[str, Any] = {
         "name": "worker",
         "image": plan.image,
-        "command": launch_command(plan, index, "python"),
+        "command": launch_command(plan, index, None),
         "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "ports": [{"name": "rendezvous", "containerPort": master_port}],
         "volumeMounts": mounts,
