@@ -42,7 +42,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities import kube
-from spotrain.workers.connect import connect
+from spotrain.workers.connect import Unreachable, connect, give_up
 from spotrain.workers.webhook_auth import (
     AuthConfig,
     SnsRejected,
@@ -569,7 +569,10 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         await serve(await connect(), config)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except Unreachable as e:
+        give_up(f"spotrain webhook: {e}")
 
 
 if __name__ == "__main__":

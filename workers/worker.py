@@ -26,7 +26,7 @@ from temporalio.runtime import Runtime
 from temporalio.worker import Worker
 
 from spotrain.workers import metrics
-from spotrain.workers.connect import TASK_QUEUE, connect
+from spotrain.workers.connect import TASK_QUEUE, Unreachable, connect, give_up
 from spotrain.workflows.pool import CapacityPool
 from spotrain.workflows.training_job import TrainingJob
 
@@ -169,7 +169,10 @@ async def serve(args: argparse.Namespace, runtime: Runtime) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     runtime = metrics.setup(args.metrics, args.json_logs)  # before any client connects
-    asyncio.run(serve(args, runtime))
+    try:
+        asyncio.run(serve(args, runtime))
+    except Unreachable as e:
+        give_up(f"spotrain worker: {e}")
 
 
 if __name__ == "__main__":
