@@ -22,8 +22,8 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError
-from moto.ec2.models import fleets as moto_fleets
 from moto.ec2.exceptions import EC2ClientError
+from moto.ec2.models import fleets as moto_fleets
 from moto.ec2.models import instances as moto_instances
 from moto.ec2.responses import EC2Response
 from temporalio import workflow

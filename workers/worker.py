@@ -99,7 +99,8 @@ def parser() -> argparse.ArgumentParser:
         "  spotrain worker --provider ec2 --runtime kubernetes --metrics 0.0.0.0:9464\n"
         "  spotrain worker --provider simulated --runtime simulated --task-queue try-it\n\n"
         "Temporal connection: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, "
-        "TEMPORAL_PROFILE (the SDK's standard settings). EC2: boto3's standard credential "
+        "TEMPORAL_TLS_* (mutual TLS), TEMPORAL_PROFILE (the SDK's standard settings; "
+        "docs/security.md). EC2: boto3's standard credential "
         "chain plus SPOTRAIN_EC2_ENDPOINT, SPOTRAIN_AMI, SPOTRAIN_LAUNCH_TEMPLATE, "
         "SPOTRAIN_SUBNETS, SPOTRAIN_EC2_LAUNCH (instances | fleet).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
