@@ -14,23 +14,35 @@ if TYPE_CHECKING:  # keeps pydantic out of every training process's start-up
     from spotrain.workflows.contract import GenerationPlan
 
 COMMAND_NODE = "spotrain.elastic.torchrun"
+BARE_PYTHON = ("python", "python3")
+
+
+def job_command(command: list[str], python: str | None) -> list[str]:
+    """The job's command, a bare `python` or `python3` as its first word replaced by `python`
+    (locally: the interpreter spotrain runs under, which has torch and spotrain, not whichever
+    `python` PATH finds first). A path (`/usr/bin/python3`, `.venv/bin/python`) is kept."""
+    if python is not None and command and command[0] in BARE_PYTHON:
+        return [python, *command[1:]]
+    return list(command)
 
 
 def launch_command(
-    plan: GenerationPlan, node_index: int, python: str, local_rank: int | None = None
+    plan: GenerationPlan, node_index: int, python: str | None, local_rank: int | None = None
 ) -> list[str]:
     """argv for the node at `node_index` (rank order), or with `local_rank` for that one rank
-    alone. `python` is the interpreter that has spotrain and torch (the image's, locally ours).
-    MASTER_ADDR and MASTER_PORT come from the rank environment."""
+    alone. `python` is the interpreter that has spotrain and torch (locally ours); None: the
+    image's own `python`, and the command runs as written. MASTER_ADDR and MASTER_PORT come
+    from the rank environment."""
+    command = job_command(plan.command, python)
     if plan.job_type != "command":
-        return list(plan.command)
+        return command
     if local_rank is None:
         nnodes, node_rank, nproc = len(plan.members), node_index, plan.members[node_index].procs
     else:
         first = sum(m.procs for m in plan.members[:node_index])
         nnodes, node_rank, nproc = plan.world_size, first + local_rank, 1
     return [
-        python,
+        python or "python",
         "-m",
         COMMAND_NODE,
         "node",
@@ -38,5 +50,5 @@ def launch_command(
         f"--node-rank={node_rank}",
         f"--nproc-per-node={nproc}",
         "--",
-        *plan.command,
+        *command,
     ]

@@ -41,6 +41,7 @@ from botocore.exceptions import ClientError, NoCredentialsError, PartialCredenti
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from spotrain.activities.spot_scores import PlacementScores
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     DescribeRequest,
@@ -241,7 +242,7 @@ class EC2Provider:
         self._session = boto3.session.Session()
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._scores_unavailable_logged = False
+        self._scores = PlacementScores()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> EC2Provider:
@@ -293,7 +294,7 @@ class EC2Provider:
                 zone_ids = _zones(ec2)
                 zones = [z for z in policy.zones if z in zone_ids] if policy.zones else zone_ids
                 prices = self._spot_prices(ec2, list(types), list(zones))
-            scores = self._placement_scores(ec2, list(types), region, zone_ids)
+            scores = self._scores(ec2, list(types), region, zone_ids)
             offers += [
                 Offer(instance_type=name, zone=zone, price=price, score=scores.get(zone))
                 for (name, zone), price in prices.items()
@@ -324,31 +325,6 @@ class EC2Provider:
                 ):
                     latest[key] = (p["Timestamp"], float(p["SpotPrice"]))
         return {key: price for key, (_, price) in latest.items()}
-
-    def _placement_scores(
-        self, ec2: Any, types: list[str], region: str, zone_ids: dict[str, str]
-    ) -> dict[str, float]:
-        """Zone -> spot placement score (1-10), or {} where the API is not available (moto,
-        missing permission): scores only refine the order, so go on without them."""
-        zone_names = {zone_id: name for name, zone_id in zone_ids.items()}
-        try:
-            resp = ec2.get_spot_placement_scores(
-                InstanceTypes=types,
-                TargetCapacity=1,
-                SingleAvailabilityZone=True,
-                RegionNames=[region],
-            )
-        except Exception as err:  # optional data: any failure means "no scores"
-            if not self._scores_unavailable_logged:
-                self._scores_unavailable_logged = True
-                reason = str(err).splitlines()[0][:120]  # not an endpoint's whole error page
-                log.warning("spot placement scores unavailable, ranking by price only: %s", reason)
-            return {}
-        return {
-            zone_names[s["AvailabilityZoneId"]]: float(s["Score"])
-            for s in resp.get("SpotPlacementScores", [])
-            if s.get("AvailabilityZoneId") in zone_names
-        }
 
     # --- launch ------------------------------------------------------------------------------
 

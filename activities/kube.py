@@ -7,8 +7,10 @@ environment (workers/elastic/environment.py). A node with `procs > 1` still gets
 command: RANK is the node's first rank, LOCAL_RANK 0 and LOCAL_WORLD_SIZE its process count,
 so the command itself launches the local processes (e.g. `torchrun --nproc-per-node
 $LOCAL_WORLD_SIZE ...`). Rank discovery goes through a headless Service per job:
-MASTER_ADDR is rank 0's pod DNS name. Horovod jobs also get a ConfigMap with the hostfile and a
-`discover_hosts.sh` for the current generation, mounted at /etc/spotrain/hosts.
+MASTER_ADDR is rank 0's pod DNS name. Horovod and MPI jobs also get a ConfigMap with the
+hostfile and a `discover_hosts.sh` for the current generation, mounted at /etc/spotrain/hosts,
+and the job's SSH key pair for the launcher's login to the workers: a Secret created once per
+job (authorized_keys, known_hosts, ssh_config), mounted at /etc/spotrain/ssh, deleted with it.
 
 Gang start: every container may run at once, but the training library's `wait_for_gang` holds
 its ranks until all pods are Running and Ready and this runtime has marked the generation
@@ -36,6 +38,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from temporalio import activity
@@ -43,6 +47,7 @@ from temporalio.exceptions import ApplicationError
 
 from spotrain.activities.kube_objects import (
     CONTROL,
+    LOGIN_TYPES,
     MEMBERS,
     NODE_ID,
     PROCS,
@@ -53,6 +58,7 @@ from spotrain.activities.kube_objects import (
     owner_selector,
     pod_body,
     service_body,
+    ssh_secret_body,
 )
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.elastic.job_store import JobStore, checked_store
@@ -218,8 +224,9 @@ class KubeRuntime:
         self._create(
             self.core.create_namespaced_service, ns, service_body(plan.job, self.master_port)
         )
-        if plan.job_type == "horovod":
+        if plan.job_type in LOGIN_TYPES:
             self._put_hosts(ns, plan)
+            self._put_ssh_keys(ns, plan.job)
         names = set()
         reset_control(plan.checkpoint, plan.generation)  # no stale 'stop' obeyed
         for index, member in enumerate(plan.members):
@@ -367,6 +374,8 @@ class KubeRuntime:
             _absent(self.core.delete_namespaced_service, svc.metadata.name, ns)
         for cm in self.core.list_namespaced_config_map(ns, label_selector=selector).items:
             _absent(self.core.delete_namespaced_config_map, cm.metadata.name, ns)
+        # The SSH keys: deleted by label, never read back (no get or list on Secrets).
+        self.core.delete_collection_namespaced_secret(ns, label_selector=selector)
 
     # --- objects ---------------------------------------------------------------------------
 
@@ -381,6 +390,22 @@ class KubeRuntime:
             self.core.patch_namespaced_config_map(
                 hosts_name(plan.job), ns, body, _content_type=MERGE_PATCH
             )
+
+    def _put_ssh_keys(self, ns: str, job: str) -> None:
+        """Create the job's SSH key pair once: a retry or a later generation finds it there
+        (AlreadyExists) and keeps it, so running pods go on logging in with the same key.
+        The key exists here and in the Secret only: not in activity results, not in logs."""
+        key = ed25519.Ed25519PrivateKey.generate()
+        private = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        ).decode()
+        public = key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        body = ssh_secret_body(job, ns, private, f"{public.decode()} spotrain-{job}\n")
+        self._create(self.core.create_namespaced_secret, ns, body)
 
     # --- API helpers -----------------------------------------------------------------------
 

@@ -26,6 +26,9 @@ CONTROL_PATH = f"{CONTROL_DIR}/control"
 HOSTS_DIR = "/etc/spotrain/hosts"
 HOSTFILE_ENV = "SPOTRAIN_HOSTFILE"
 DISCOVER_HOSTS_ENV = "SPOTRAIN_DISCOVER_HOSTS"
+SSH_DIR = "/etc/spotrain/ssh"
+SSH_DIR_ENV = "SPOTRAIN_SSH_DIR"
+LOGIN_TYPES = ("horovod", "mpi")  # a launcher (mpirun, horovodrun) logs in to the workers
 
 
 def pod_name(job: str, generation: int, index: int) -> str:
@@ -44,6 +47,10 @@ def pod_dns(job: str, generation: int, index: int, ns: str) -> str:
 
 def hosts_name(job: str) -> str:
     return f"spotrain-{job}-hosts"
+
+
+def ssh_name(job: str) -> str:
+    return f"spotrain-{job}-ssh"
 
 
 def owner_labels(job: str) -> dict[str, str]:
@@ -83,17 +90,23 @@ def pod_body(
             },
         }
     ]
-    if plan.job_type == "horovod":
+    if plan.job_type in LOGIN_TYPES:
         env[HOSTFILE_ENV] = f"{HOSTS_DIR}/hostfile"
         env[DISCOVER_HOSTS_ENV] = f"{HOSTS_DIR}/discover_hosts.sh"
+        env[SSH_DIR_ENV] = SSH_DIR
         mounts.append({"name": "hosts", "mountPath": HOSTS_DIR, "readOnly": True})
+        mounts.append({"name": "ssh", "mountPath": SSH_DIR, "readOnly": True})
         volumes.append(
             {"name": "hosts", "configMap": {"name": hosts_name(plan.job), "defaultMode": 0o755}}
+        )
+        # ssh refuses a private key others may read: 0400, for the container's root user
+        volumes.append(
+            {"name": "ssh", "secret": {"secretName": ssh_name(plan.job), "defaultMode": 0o400}}
         )
     container: dict[str, Any] = {
         "name": "rank",
         "image": plan.image,
-        "command": launch_command(plan, index, "python"),
+        "command": launch_command(plan, index, None),
         "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "ports": [{"name": "rendezvous", "containerPort": master_port}],
         "volumeMounts": mounts,
@@ -163,3 +176,28 @@ def hosts_body(plan: GenerationPlan, ns: str) -> dict[str, Any]:
     }
     tags = {**owner_labels(plan.job), GENERATION: str(plan.generation)}
     return {"metadata": {"name": hosts_name(plan.job), "labels": tags}, "data": data}
+
+
+def ssh_secret_body(job: str, ns: str, private_key: str, public_key: str) -> dict[str, Any]:
+    """The job's SSH key pair, for its launcher's login to its workers: authorized_keys (the
+    pair's public key), known_hosts (the same key as every pod's host key, for any name in
+    the job's headless Service: the hosts of every generation) and an ssh_config using both
+    (`ssh -F $SPOTRAIN_SSH_DIR/ssh_config`; sshd: `HostKey $SPOTRAIN_SSH_DIR/id_ed25519`)."""
+    hosts = f"*.{service_name(job)}.{ns}.svc"
+    config = (
+        f"Host {hosts}\n  IdentityFile {SSH_DIR}/id_ed25519\n"
+        f"  UserKnownHostsFile {SSH_DIR}/known_hosts\n  StrictHostKeyChecking yes\n"
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": ssh_name(job), "labels": owner_labels(job)},
+        "type": "Opaque",
+        "stringData": {
+            "id_ed25519": private_key,
+            "id_ed25519.pub": public_key,
+            "authorized_keys": public_key,
+            "known_hosts": f"{hosts} {public_key}",
+            "ssh_config": config,
+        },
+    }

@@ -51,6 +51,8 @@ from spotrain.workflows.contract import (
 
 POLL_S = 0.25
 ELASTIC_EVENT = "checkpoint-and-stop\n"
+START_FAILURE_WAIT_S = 10.0  # for every rank of a generation that failed before its first step
+TAIL_LINES, TAIL_BYTES = 5, 2000  # of a failed rank's output, for the job's fault message
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -76,6 +78,17 @@ def _proc_start_time(pid: int) -> int | None:
     fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
     state, start = fields[0], int(fields[19])
     return None if state in ("Z", "X") else start
+
+
+def _tail(log: Path, lines: int = TAIL_LINES) -> str:
+    """The last non-empty lines of a rank's log (a traceback's last lines say why it died)."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
 
 
 def _heartbeat() -> None:
@@ -286,9 +299,7 @@ class LocalRuntime:
                 elif code == 0 and not done and not event:
                     why = "exited 0 without the completion marker or an elastic event"
                 if why:
-                    return WatchResult(
-                        outcome="failed", exit_codes=codes, detail=f"rank {r.rank} {why}"
-                    )
+                    return self._failed(r, why, ranks, store, req.generation)
             if any(n.event_id not in req.known_events for n in notices):
                 return self._result("progress", store, req.generation, codes, notices)
             # A launcher lives a moment past writing its exit code: "completed" means gone.
@@ -361,6 +372,26 @@ class LocalRuntime:
             exit_codes=codes,
             notices=notices or [],
             checkpoints=store.checkpoint_stats(),
+        )
+
+    def _failed(
+        self, first: Rank, why: str, ranks: list[Rank], store: JobStore, generation: int
+    ) -> WatchResult:
+        """A rank failed. Before the generation's first step the others get a moment to fail
+        too (a command that cannot start fails on every rank) so the job can tell, and the
+        failed ranks' last lines say why."""
+        stepped = store.progress(generation) is not None
+        if not stepped:
+            self._wait(lambda: not any(r.alive() for r in ranks), START_FAILURE_WAIT_S)
+        codes = {r.rank: c for r in ranks if (c := r.exit_code()) is not None}
+        output = {r.rank: _tail(r.log_file) for r in ranks if codes.get(r.rank, 0) != 0}
+        last = output.get(first.rank, "").rsplit("\n", 1)[-1]
+        return WatchResult(
+            outcome="failed",
+            exit_codes=codes,
+            detail=f"rank {first.rank} {why}" + (f": {last}" if last else ""),
+            stepped=stepped,
+            output=output,
         )
 
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,15 +30,22 @@ def steps_by_generation(record: Path) -> dict[int, list[dict]]:
 
 @pytest.mark.timeout(420)
 def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
-    record, state = tmp_path / "record", tmp_path / "state"
+    """As a newcomer runs it: no state dir given (a temporary one, under TMPDIR here), the job's
+    bare `python` with no `python` on PATH."""
+    record, tmp = tmp_path / "record", tmp_path / "tmp"
+    tmp.mkdir()
     command = [sys.executable, "-m", "spotrain.workers.demo", "--steps", "600"]
-    command += ["--step-time", "0.02", "--state-dir", str(state), "--record", str(record)]
+    command += ["--step-time", "0.02", "--record", str(record)]
+    env = os.environ | {"TMPDIR": str(tmp), "PATH": str(tmp_path / "nothing")}
     try:
-        run = subprocess.run(command, capture_output=True, text=True, timeout=400)
+        run = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
     finally:  # even if the demo was killed: its detached ranks must not outlive the test
-        for job in (state / "jobs").glob("*"):
-            LocalRuntime(state).cleanup_job(CleanupRequest(job=job.name, keep=True))
+        for state in tmp.glob("spotrain-demo-*"):
+            for job in (state / "jobs").glob("*"):
+                LocalRuntime(state).cleanup_job(CleanupRequest(job=job.name, keep=True))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert list(tmp.glob("spotrain-demo-*")) == []  # its state went with it
+    assert "placement scores" not in run.stdout + run.stderr  # the market answers them
     assert "left running: 0 instance(s), 0 worker process(es)" in run.stdout
     job = re.search(r"(demo-\d+): Succeeded", run.stdout)
     assert job, run.stdout[-2000:]

@@ -22,8 +22,10 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError
+from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models import fleets as moto_fleets
 from moto.ec2.models import instances as moto_instances
+from moto.ec2.responses import EC2Response
 from temporalio import workflow
 from temporalio.client import WorkflowFailureError
 from temporalio.common import RetryPolicy
@@ -32,6 +34,7 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from temporalio.worker import Worker
 
 from spotrain.activities import ec2 as ec2_mod
+from spotrain.activities import spot_scores
 from spotrain.activities.ec2 import EC2Provider, client_token, reap
 from spotrain.workers.worker import WORKFLOWS
 from spotrain.workflows import contract
@@ -460,7 +463,7 @@ def policy(**kw: Any) -> SpotPolicy:
 def test_find_offers_diversifies_and_respects_max_price(
     provider: EC2Provider, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger=ec2_mod.__name__):
+    with caplog.at_level(logging.INFO, logger=spot_scores.__name__):
         offers = ENV.run(provider.find_offers, policy())
         ENV.run(provider.find_offers, policy())
     pools = {(o.instance_type, o.zone) for o in offers}
@@ -473,13 +476,32 @@ def test_find_offers_diversifies_and_respects_max_price(
     # Same spot price everywhere (moto): the 4-GPU type is cheaper per GPU, in every zone first.
     assert [o.instance_type for o in offers] == ["g4dn.12xlarge"] * 3 + ["g5.xlarge"] * 3
     assert all(o.price == 0.00001 and o.score is None for o in offers)  # moto: no scores
-    ours = [r.message for r in caplog.records if r.name == ec2_mod.__name__]  # not moto's
-    assert len(ours) == 1 and "placement scores unavailable" in ours[0]  # logged once
+    # moto lacks the API: said once, quietly (no warning, no XML parser error)
+    ours = [r for r in caplog.records if r.name == spot_scores.__name__]  # not moto's
+    assert [(r.levelno, r.message) for r in ours] == [
+        (logging.INFO, "this EC2 endpoint has no spot placement scores: offers rank by price")
+    ]
 
     assert ENV.run(provider.find_offers, policy(max_price=0.000001)) == []
     assert {o.zone for o in ENV.run(provider.find_offers, policy(zones=["us-east-1d"]))} <= {
         "us-east-1d"
     }
+
+
+def test_refused_placement_scores_warn_naming_the_permission(
+    moto_endpoint: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(_response: Any) -> None:
+        raise EC2ClientError("UnauthorizedOperation", "not authorized to GetSpotPlacementScores")
+
+    monkeypatch.setattr(EC2Response, "get_spot_placement_scores", refused, raising=False)
+    provider = EC2Provider(endpoint_url=moto_endpoint)
+    with caplog.at_level(logging.INFO, logger=spot_scores.__name__):
+        assert ENV.run(provider.find_offers, policy())  # still offers, by price
+    [warning] = [r for r in caplog.records if r.name == spot_scores.__name__]
+    assert warning.levelno == logging.WARNING
+    assert "UnauthorizedOperation" in warning.message
+    assert "grant ec2:GetSpotPlacementScores" in warning.message
 
 
 def test_spot_disabled_means_no_offers(provider: EC2Provider) -> None:

@@ -52,7 +52,10 @@ def test_launch_command_wraps_only_command_jobs(tmp_path: Path) -> None:
     assert node1[4:] == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--", *p.command]
     rank3 = launch_command(p, 1, "py", local_rank=1)
     assert rank3[4:7] == ["--nnodes=4", "--node-rank=3", "--nproc-per-node=1"]
-    assert launch_command(p.model_copy(update={"job_type": "pytorch"}), 1, "py") == p.command
+    pytorch = p.model_copy(update={"job_type": "pytorch"})
+    assert launch_command(pytorch, 1, None) == p.command  # Kubernetes: the image's python
+    assert launch_command(pytorch, 1, "py") == ["py", "train.py"]  # locally: ours
+    assert launch_command(p, 1, "py", local_rank=1)[-2:] == ["py", "train.py"]
 
 
 def job(tmp_path: Path, name: str, steps: int = STEPS) -> tuple[Scenario, Path, Path]:

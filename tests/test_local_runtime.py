@@ -204,7 +204,7 @@ def test_crashed_rank_fails_the_watch_at_once(
     result = env.run(rt.watch_generation, watch_req(p, report_after_s=30))
     assert time.monotonic() - started < 10
     assert result.outcome == "failed" and result.exit_codes == {1: 3}
-    assert result.detail == "rank 1 exited with code 3"
+    assert result.detail.startswith("rank 1 exited with code 3: rank=1 world=3")
     env.run(rt.cleanup_job, CleanupRequest(job="job"))
     assert not rt.job_dir("job").exists()
 

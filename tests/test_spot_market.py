@@ -13,9 +13,13 @@ import boto3
 import pytest
 from aiohttp import web
 from botocore.exceptions import ClientError
+from temporalio.testing import ActivityEnvironment
 
+from spotrain.activities.ec2 import EC2Provider
 from spotrain.activities.local import LocalRuntime
 from spotrain.workers.spot_market import SpotMarket, Trace
+from spotrain.workflows.contract import Offer
+from spotrain.workflows.spec import InstanceType, SpotPolicy
 
 ZONE = "us-east-1c"
 
@@ -61,6 +65,10 @@ async def test_capacity_follows_the_trace(moto_endpoint: str, tmp_path: Path) ->
         first, second = launch_spot(ec2), launch_spot(ec2)
         with pytest.raises(ClientError, match="InsufficientInstanceCapacity"):
             launch_spot(ec2)  # the zone is full
+        # ... and its placement score says so (moto has none: the market answers for it)
+        scores = {(o.zone, o.score) for o in offers(moto_endpoint)}
+        assert scores == {("us-east-1a", 10.0), (ZONE, 1.0)}, scores
+        assert offers(moto_endpoint)[-1].zone == ZONE  # the full zone ranks last
         for _ in range(200):  # capacity falls to 1 at tick 4: the newest node goes
             state = ec2.describe_instances(InstanceIds=[second])["Reservations"][0]["Instances"][0]
             if state["State"]["Name"] == "terminated" and len(received) >= 2:
@@ -78,5 +86,13 @@ async def test_capacity_follows_the_trace(moto_endpoint: str, tmp_path: Path) ->
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
         await runner.cleanup()
+        market.close()
     assert ZONE not in market.capacity  # no longer limited once the market stops following
+    assert {o.score for o in offers(moto_endpoint)} == {None}  # moto's own answer again
     ec2.terminate_instances(InstanceIds=[first])
+
+
+def offers(endpoint: str) -> list[Offer]:
+    types = [InstanceType(name="m5.large", on_demand_price=0.096)]
+    policy = SpotPolicy(instance_types=types, zones=["us-east-1a", ZONE])
+    return ActivityEnvironment().run(EC2Provider(endpoint_url=endpoint).find_offers, policy)

@@ -39,11 +39,10 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.envconfig import ClientConfig
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from spotrain.workers.connect import TASK_QUEUE, connect
+from spotrain.workers.connect import TASK_QUEUE, Unreachable, connect
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
 from spotrain.workflows import attributes
 from spotrain.workflows.checkpoints import describe
@@ -77,28 +76,20 @@ def emit_json(value: Any) -> None:
 # --- Temporal ------------------------------------------------------------------------------
 
 
-def temporal_address() -> str:
-    return str(ClientConfig.load_client_connect_config().get("target_host", "localhost:7233"))
-
-
-def unreachable(detail: str) -> CliError:
-    return CliError(
-        f"cannot reach Temporal at {temporal_address()}: {detail}\n"
-        "  set TEMPORAL_ADDRESS / TEMPORAL_PROFILE, or start a local stack with `spotrain dev`",
-        UNREACHABLE,
-    )
+def unreachable(error: Unreachable) -> CliError:
+    return CliError(f"{error}\n  or start a local stack with `spotrain dev`", UNREACHABLE)
 
 
 async def client() -> Client:
     try:
         return await connect()
-    except (RuntimeError, ValueError, OSError) as e:
-        raise unreachable(str(e)) from None
+    except Unreachable as e:
+        raise unreachable(e) from None
 
 
 def rpc_error(e: RPCError, job: str | None) -> CliError:
     if e.status in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED):
-        return unreachable(e.message)
+        return unreachable(Unreachable(e.message))
     if e.status == RPCStatusCode.NOT_FOUND and job:
         return CliError(f"no running job named {job!r} ({e.message})")
     hint = ""

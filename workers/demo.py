@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +25,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from spotrain.activities.local import job_processes
+from spotrain.activities.local import LocalRuntime, job_processes
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.stack import CHECKPOINT_BUCKET, Stack, StackConfig
 from spotrain.workflows.checkpoints import describe
+from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobResult, JobStatus, Phase
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -35,12 +39,12 @@ console = Console()
 def demo_spec(
     state_dir: Path, steps: int, step_time: float, record: Path | None = None, s3: bool = True
 ) -> dict[str, Any]:
-    """examples/job.yaml, run with this interpreter, checkpoints in the stack's S3 bucket
-    (moto), or with `s3=False` in the demo's state dir."""
+    """examples/job.yaml (its bare `python` is the interpreter spotrain runs under),
+    checkpoints in the stack's S3 bucket (moto), or with `s3=False` in the demo's state dir."""
     spec = yaml.safe_load((EXAMPLES / "job.yaml").read_text())
     spec["name"] = f"demo-{int(time.time())}"
     spec["command"] = [
-        sys.executable,
+        "python",
         str(EXAMPLES / "train_ddp.py"),
         "--step-time",
         str(step_time),
@@ -124,7 +128,7 @@ def summary(result: JobResult, elapsed: float, notice_to_durable: list[float]) -
 
 
 async def run(args: argparse.Namespace) -> int:
-    state = Path(args.state_dir or tempfile.mkdtemp(prefix="spotrain-demo-"))
+    state = Path(args.state_dir)
     started = time.monotonic()
     console.print(f"starting the embedded stack (state in {state})...")
     async with Stack(StackConfig.ephemeral(state)) as stack:
@@ -173,6 +177,26 @@ async def run(args: argparse.Namespace) -> int:
         return 0 if result.phase == Phase.SUCCEEDED and not left and not procs else 1
 
 
+@contextlib.contextmanager
+def state_dir(given: Path | None, keep: bool) -> Iterator[Path]:
+    """The directory given (the user's: kept), or a new temporary one that goes afterwards
+    with whatever is left in it (rank processes included), unless `keep`."""
+    if given is not None:
+        yield given
+        return
+    path = Path(tempfile.mkdtemp(prefix="spotrain-demo-"))
+    try:
+        yield path
+    finally:
+        if keep:
+            console.print(f"state kept in {path}")
+        else:
+            runtime = LocalRuntime(path)
+            for job in (path / "jobs").glob("*"):
+                runtime.cleanup_job(CleanupRequest(job=job.name))
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spotrain demo",
@@ -184,7 +208,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--step-time", type=float, default=0.03, help="seconds per step (a bigger model)"
     )
-    p.add_argument("--state-dir", type=Path, help="default: a new temporary directory")
+    p.add_argument(
+        "--state-dir", type=Path, help="default: a new temporary directory, removed at the end"
+    )
+    p.add_argument(
+        "--keep-state", action="store_true", help="keep the temporary state directory (logs)"
+    )
     p.add_argument("--record", type=Path, help="the training script records steps and losses here")
     p.add_argument(
         "--checkpoint",
@@ -196,7 +225,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    code = asyncio.run(run(parser().parse_args(argv)))
+    args = parser().parse_args(argv)
+    with state_dir(args.state_dir, args.keep_state) as args.state_dir:
+        code = asyncio.run(run(args))
     sys.stdout.flush()
     raise SystemExit(code)
 

@@ -26,9 +26,11 @@ from typing import Any
 
 import aiohttp
 from moto.core import DEFAULT_ACCOUNT_ID
+from moto.core.responses import ActionResult
 from moto.ec2 import models
 from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models.instances import StateReason
+from moto.ec2.responses import EC2Response
 
 from spotrain.activities.ec2 import TAG_JOB
 from spotrain.activities.local import LocalRuntime
@@ -116,6 +118,7 @@ class SpotMarket:
         self.runtime = runtime
         self.region = region
         self.capacity: dict[str, int] = {}  # zone -> spot nodes it can hold now (traced zones)
+        self._serve_placement_scores()
 
     async def _post(self, event: dict[str, object]) -> None:
         async with aiohttp.ClientSession() as http:
@@ -187,6 +190,40 @@ class SpotMarket:
 
         limited.spot_market = market  # type: ignore[attr-defined]
         models.EC2Backend.run_instances = limited  # type: ignore[method-assign]
+
+    def placement_score(self, zone: str, target: int) -> int:
+        """EC2's 1-10 likelihood that `target` spot nodes launch in `zone`: 10 where the zone
+        has room (untraced zones always do), 1 where the trace has it full."""
+        if zone not in self.capacity:
+            return 10
+        return 10 if self.capacity[zone] - len(self.spot_nodes(zone)) >= target else 1
+
+    def _serve_placement_scores(self) -> None:
+        """Answer GetSpotPlacementScores (which moto does not implement) from this market's
+        capacity, so the offers rank as EC2 would rank them."""
+        market = self
+
+        def scores(response: Any) -> ActionResult:
+            target = response._get_int_param("TargetCapacity", 1)
+            items = [
+                {
+                    "Region": region,
+                    "AvailabilityZoneId": zone.zone_id,
+                    "Score": market.placement_score(zone.name, target),
+                }
+                for region in response._get_param("RegionNames", []) or [market.region]
+                for zone in _backend(region).describe_availability_zones()
+            ]
+            return ActionResult({"SpotPlacementScores": items})
+
+        scores.spot_market = market  # type: ignore[attr-defined]
+        EC2Response.get_spot_placement_scores = scores  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Hand GetSpotPlacementScores back to moto (the answer is per process, not per server)."""
+        ours = getattr(EC2Response, "get_spot_placement_scores", None)
+        if getattr(ours, "spot_market", None) is self:
+            del EC2Response.get_spot_placement_scores  # type: ignore[attr-defined]
 
     async def follow(self, trace: Trace, speedup: float = 60.0, notice_s: float = 20.0) -> None:
         """Make `trace.zone`'s spot capacity follow the trace, `speedup` times faster than

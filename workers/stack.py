@@ -212,6 +212,8 @@ class Stack:
                 await self._worker
         if self._moto:
             self._moto.stop()
+        with contextlib.suppress(AttributeError):  # no market if the start failed before it
+            self.market.close()
         if self._server and self._server.poll() is None:
             self._server.terminate()
             try:

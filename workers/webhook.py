@@ -42,7 +42,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities import kube
-from spotrain.workers.connect import connect
+from spotrain.workers.connect import Unreachable, connect, give_up
 from spotrain.workers.webhook_auth import (
     AuthConfig,
     SnsRejected,
@@ -557,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
         "SPOTRAIN_WEBHOOK_TOKEN[_FILE], SPOTRAIN_WEBHOOK_HMAC_SECRET[_FILE], "
         "SPOTRAIN_WEBHOOK_SNS_TOPIC_ARNS, SPOTRAIN_WEBHOOK_QUEUE_URL (SQS mode), "
         "SPOTRAIN_WEBHOOK_KUBE_NODES=1 (resolve node names through the Kubernetes API); Temporal: "
-        "TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY. See docs/webhook.md.",
+        "TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_TLS_*, TEMPORAL_PROFILE "
+        "(docs/security.md). See docs/webhook.md.",
     ).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -569,7 +570,10 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         await serve(await connect(), config)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except Unreachable as e:
+        give_up(f"spotrain webhook: {e}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from spotrain.workers import metrics
-from spotrain.workers.connect import TASK_QUEUE, connect
+from spotrain.workers.connect import TASK_QUEUE, Unreachable, connect, give_up
 from spotrain.workflows.pool import CapacityPool
 from spotrain.workflows.training_job import TrainingJob
 
@@ -122,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
         "  spotrain worker --provider ec2 --runtime kubernetes --metrics 0.0.0.0:9464\n"
         "  spotrain worker --provider simulated --runtime simulated --task-queue try-it\n\n"
         "Temporal connection: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, "
-        "TEMPORAL_PROFILE (the SDK's standard settings). EC2: boto3's standard credential "
+        "TEMPORAL_TLS_* (mutual TLS), TEMPORAL_PROFILE (the SDK's standard settings; "
+        "docs/security.md). EC2: boto3's standard credential "
         "chain plus SPOTRAIN_EC2_ENDPOINT, SPOTRAIN_AMI, SPOTRAIN_LAUNCH_TEMPLATE, "
         "SPOTRAIN_SUBNETS, SPOTRAIN_EC2_LAUNCH (instances | fleet).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -192,7 +193,10 @@ async def serve(args: argparse.Namespace, runtime: Runtime) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     runtime = metrics.setup(args.metrics, args.json_logs)  # before any client connects
-    asyncio.run(serve(args, runtime))
+    try:
+        asyncio.run(serve(args, runtime))
+    except Unreachable as e:
+        give_up(f"spotrain worker: {e}")
 
 
 if __name__ == "__main__":

@@ -251,6 +251,12 @@ class WatchResult(Message):
         default_factory=list, description="reclaim notices ranks found (EC2 metadata)"
     )
     checkpoints: CheckpointStats | None = None
+    stepped: bool | None = Field(
+        None, description="a failed generation reported a step (None: the runtime cannot tell)"
+    )
+    output: dict[int, str] = Field(
+        default_factory=dict, description="rank -> the last lines a failed rank wrote"
+    )
 
 
 class CleanupRequest(Message):

@@ -147,7 +147,9 @@ class JobSpec(Strict):
     """One training job. `name` is also its Temporal workflow id."""
 
     name: str = Field(pattern=NAME_PATTERN, description="DNS label: a-z, 0-9, '-'; max 50")
-    type: Literal["pytorch", "horovod", "command"] = "pytorch"
+    type: Literal["pytorch", "horovod", "mpi", "command"] = Field(
+        "pytorch", description="horovod, mpi: a launcher logs in to the workers over SSH"
+    )
     image: str | None = Field(None, description="container image (Kubernetes runtime)")
     command: list[str] = Field(min_length=1, description="argv of each node's worker")
     env: dict[str, str] = Field(

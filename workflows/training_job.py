@@ -24,7 +24,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import attributes, calls, events, job_planner
+    from spotrain.workflows import attributes, calls, events, job_planner, start_failure
     from spotrain.workflows.checkpoints import CheckpointStats
     from spotrain.workflows.contract import (
         CONFIG_ERROR,
@@ -300,7 +300,10 @@ class TrainingJob:
             s.record(self._now(), "completed", f"step {s.step}")
             return True
         if verdict == "fault":
-            await self._fault(detail)
+            fatal = start_failure.cannot_start(s, w)
+            await self._fault(fatal or detail)
+            if fatal and workflow.patched("cannot-start-fails-at-once"):
+                raise JobFailed(fatal)
         return False
 
     async def _resize(self, *, reason: str, detail: str) -> None:
