@@ -54,7 +54,7 @@ M = [
     (
         "act_on_rebalance",
         JP,
-        'if event.kind == "rebalance" and not state.spec.elastic.act_on_rebalance:',
+        'if event.kind == "rebalance" and state.spec.elastic.warning_policy != "shrink":',
         "if False:",
     ),
     (
