@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from spotrain.workflows import events, job_planner, make_before_break
 from spotrain.workflows.checkpoints import CheckpointStats
-from spotrain.workflows.contract import PoolGrant
+from spotrain.workflows.contract import Offer, PoolGrant
 from spotrain.workflows.spec import SpecError, parse_spec
 from spotrain.workflows.state import JobState, NodeState, Swap
 
@@ -141,6 +141,15 @@ def test_a_warning_swaps_spot_spares_first_and_only_while_running() -> None:
     assert step.grace == s.spec.elastic.graceful_shutdown_timeout_s
     s.running = False
     assert make_before_break.next_step(s, T0).pairs == []
+
+
+def test_replacements_avoid_the_warned_nodes_pool_while_another_has_spot() -> None:
+    s = state(max_surge_nodes=1)  # every node in us-east-1a
+    offers = [Offer(instance_type="p3.2xlarge", zone=z, price=0.9) for z in ("us-east-1a", "b")]
+    assert make_before_break.away_from_warned(s, offers) == offers  # no swap open
+    s.swaps = [Swap(node_id="i-0", since=T0)]
+    assert make_before_break.away_from_warned(s, offers) == offers[1:]
+    assert make_before_break.away_from_warned(s, offers[:1]) == offers[:1]  # nowhere else
 
 
 # --- properties --------------------------------------------------------------------------------

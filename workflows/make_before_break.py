@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
+from spotrain.workflows.contract import Offer
 from spotrain.workflows.events import Reclaim
 from spotrain.workflows.planner import grace_for_notice
 from spotrain.workflows.state import JobState, NodeRecord, NodeState, Swap
@@ -46,6 +47,18 @@ def wanted(state: JobState) -> int:
     (within `held_cap`)."""
     extra = min(len(pending(state)), max(0, held_cap(state) - state.allowed))
     return state.allowed + extra
+
+
+def away_from_warned(state: JobState, offers: list[Offer]) -> list[Offer]:
+    """Offers outside the pools of open swaps' warned nodes (a rebalance recommendation says
+    that pool is at risk), unless no other pool has any: replacements go elsewhere."""
+    warned = {(n.instance_type, n.zone) for n in state.nodes if n.node_id in _open_ids(state)}
+    elsewhere = [o for o in offers if (o.instance_type, o.zone) not in warned]
+    return elsewhere or offers
+
+
+def _open_ids(state: JobState) -> set[str]:
+    return {w.node_id for w in pending(state)}
 
 
 def spares(state: JobState) -> list[NodeRecord]:
