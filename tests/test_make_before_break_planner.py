@@ -78,6 +78,7 @@ def test_a_warning_orders_one_replacement_ahead_within_the_surge() -> None:
 
 def test_no_room_at_max_nodes_without_surge_but_room_below_it() -> None:
     assert make_before_break.on_notice(state(), warning("i-0"), T0).action == "no room"
+    assert make_before_break.on_notice(state(), notice("i-0", 120), T0).action == "pass"
     assert make_before_break.on_notice(state(members=3), warning("i-0"), T0).action == "order"
 
 

@@ -94,8 +94,9 @@ WarningAction = Literal["pass", "order", "deadline", "known", "no room"]
 class WarningPlan:
     """What a warning or notice does make-before-break. "pass": the usual reclaim path
     decides; "order": a replacement is ordered ahead; "deadline": an open swap learns its
-    node's deadline; "known": a repeated warning; "no room": the overlap would exceed the
-    cap, so training goes on and the reclaim notice, if one comes, decides."""
+    node's deadline; "known": a repeated warning; "no room": a warning whose overlap would
+    exceed the cap, so training goes on and the reclaim notice, if one comes, decides (a
+    notice without room passes: it shrinks)."""
 
     action: WarningAction
     swaps: list[Swap]  # the open swaps afterwards
@@ -110,8 +111,8 @@ def on_notice(state: JobState, event: Reclaim, now: datetime) -> WarningPlan:
     known = next((w for w in open_swaps if w.node_id == event.node_id), None)
     others = [w for w in open_swaps if w.node_id != event.node_id]
     trains = node is not None and node.alive and state.running and node.slot in state.members
-    if not trains or (policy != "make_before_break" and known is None):
-        return WarningPlan("pass", open_swaps)
+    if not trains or event.shrink or (policy != "make_before_break" and known is None):
+        return WarningPlan("pass", others if event.shrink else open_swaps)
     name = event.node_id
     unclaimed = len(spares(state)) > len(open_swaps)
     if event.kind == "reclaim":
@@ -130,12 +131,24 @@ def on_notice(state: JobState, event: Reclaim, now: datetime) -> WarningPlan:
     elif known is not None:
         return WarningPlan("known", open_swaps)
     if held_cap(state) - wanted(state) < 1 and not unclaimed:
+        if event.kind == "reclaim":
+            return WarningPlan("pass", open_swaps)  # no room for the overlap: shrink
         return WarningPlan(
             "no room", open_swaps, f"{name}: holding {held_cap(state)} node(s) already"
         )
     deadline = event.deadline if event.kind == "reclaim" else None
     swap = Swap(node_id=name, deadline=deadline, since=now)
     return WarningPlan("order", [*open_swaps, swap], f"replacement ordered ahead of {name}")
+
+
+def leaving_with(state: JobState, event: Reclaim) -> list[Swap]:
+    """The open notices that leave in the same resize as `event`'s shrink: their replacement
+    is not ready either (or they would have swapped), and a resize now beats one more later."""
+    node = state.node_by_id(event.node_id)
+    trains = node is not None and node.alive and state.running and node.slot in state.members
+    if event.kind != "reclaim" or not trains:
+        return []
+    return [w for w in pending(state) if w.deadline is not None and w.node_id != event.node_id]
 
 
 @dataclass(frozen=True)

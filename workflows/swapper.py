@@ -7,6 +7,7 @@ reaches it, and histories from before it replay unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 
 from temporalio import workflow
@@ -15,16 +16,25 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows import events, make_before_break
     from spotrain.workflows.fleet import Fleet
     from spotrain.workflows.ranks import Ranks
-    from spotrain.workflows.state import JobState
+    from spotrain.workflows.state import JobState, Swap
 
 PATCH = "make-before-break"
 
 
 class Swapper:
-    def __init__(self, state: JobState, fleet: Fleet, ranks: Ranks) -> None:
+    def __init__(
+        self,
+        state: JobState,
+        fleet: Fleet,
+        ranks: Ranks,
+        notice_first: Callable[[str, datetime | None], None],
+    ) -> None:
         self.s = state
         self.fleet = fleet
         self.ranks = ranks
+        # Queues a reclaim notice ahead of the inbox. (The workflow builds the event: its
+        # event classes are the sandbox's, which its `match` recognises; ours might not be.)
+        self.notice_first = notice_first
 
     async def on_notice(self, event: events.Reclaim) -> bool:
         """Order a replacement ahead of a warned node if the job's policy says so; False: the
@@ -33,6 +43,8 @@ class Swapper:
         plan = make_before_break.on_notice(s, event, workflow.now())
         if plan.action == "pass":
             s.swaps = plan.swaps
+            if s.swaps:  # a shrink anyway: open notices leave with it
+                self._shrink_now(make_before_break.leaving_with(s, event))
             return False
         if not workflow.patched(PATCH):
             return False
@@ -40,12 +52,25 @@ class Swapper:
         if plan.action == "order":
             s.record(workflow.now(), "replacement ordered ahead", plan.detail)
             s.owed += 1  # like any replacement: on-demand if spot is short and policy allows
+            held = sum(n.alive for n in s.nodes)
             await self.fleet.reconcile()
+            if event.deadline and sum(n.alive for n in s.nodes) == held:
+                # Nothing to order (no spot offered, no on-demand allowed): waiting for a
+                # replacement only delays the shrink, so shrink now.
+                s.owed -= 1
+                s.record(workflow.now(), "no replacement to be had", f"{event.node_id}: shrinking")
+                self._shrink_now([w for w in s.swaps if w.node_id == event.node_id])
         elif plan.action == "no room":
             s.record(workflow.now(), "no room for a replacement ahead", plan.detail)
         elif plan.action == "deadline":
             s.record(workflow.now(), "warned node has a deadline", plan.detail)
         return True
+
+    def _shrink_now(self, swaps: list[Swap]) -> None:
+        """Give up waiting for these notices' replacements: they shrink as usual."""
+        self.s.swaps = [w for w in self.s.swaps if w not in swaps]
+        for w in swaps:
+            self.notice_first(w.node_id, w.deadline)
 
     def wake(self) -> datetime | None:
         """When an open notice's replacement becomes late (None: no such notice)."""
@@ -61,9 +86,10 @@ class Swapper:
         now = workflow.now()
         step = make_before_break.next_step(s, now)
         s.swaps = step.swaps
-        for late in step.late:
-            s.record(now, "replacement late", f"{late.node_id}: shrinking before its deadline")
-            s.inbox.insert(0, events.Reclaim(node_id=late.node_id, deadline=late.deadline))
+        if step.late:
+            late = ", ".join(w.node_id for w in step.late)
+            s.record(now, "replacement late", f"{late}: shrinking before the deadline")
+            self._shrink_now(step.late)
         if not step.pairs:
             return False
         warned = [a for a, _ in step.pairs]

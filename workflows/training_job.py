@@ -91,7 +91,14 @@ class TrainingJob:
         s = self.s
         self.fleet = Fleet(s, self._on_nodes_changed)
         self.ranks = Ranks(s, self._set_phase)
-        self.swapper = Swapper(s, self.fleet, self.ranks)
+        self.swapper = Swapper(
+            s,
+            self.fleet,
+            self.ranks,
+            lambda node_id, deadline: s.inbox.insert(
+                0, events.Reclaim(node_id=node_id, deadline=deadline, shrink=True)
+            ),
+        )
         if s.submitted_at is None:
             s.submitted_at = self._now()
             s.next_check = self._now() + timedelta(seconds=s.spec.elastic.capacity_check_interval_s)
