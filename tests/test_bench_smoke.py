@@ -93,9 +93,6 @@ def test_goodput_benchmark_runs_the_real_workflow(
     assert elastic["resizes"] >= 2
     assert elastic["on_demand_node_h"] == 0 and rows["spotrain +fallback"]["on_demand_node_h"] > 0
     assert rows["spotrain +od-base"]["on_demand_node_h"] > 0
-    # Make-before-break: with on-demand allowed, some notice is met by a swap onto a
-    # replacement ordered at once (spot is short in both zones: elastic alone never swaps).
-    assert rows["spotrain +fallback +mbb"]["swapped"] > 0
     for policy in ("spotrain elastic +mbb", "spotrain +fallback +mbb", "spotrain +od-base +mbb"):
         assert rows[policy]["steps_lost"] == 0 and rows[policy]["resizes_per_reclaim"] > 0
     for row in rows.values():

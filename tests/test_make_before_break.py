@@ -159,7 +159,7 @@ async def test_no_room_for_the_overlap_at_max_nodes_without_surge(
         status = await sim.status(handle)
         await handle.cancel()
     assert status.world_size == 4 and status.resizes == 0
-    assert events(status, "no room for a replacement ahead") == [
+    assert events(status, "no room for a replacement yet") == [
         f"{victim}: holding 4 node(s) already"
     ]
     assert len(sim.cloud.launches) == 4

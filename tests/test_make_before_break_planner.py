@@ -73,7 +73,13 @@ def test_a_warning_orders_one_replacement_ahead_within_the_surge() -> None:
     # a second warned node has no room left: 5 held is max_nodes 4 + 1
     s.nodes.append(node(4, state=NodeState.REQUESTED))
     assert job_planner.shortfall(s) == 0
-    assert make_before_break.on_notice(s, warning("i-2"), T0).action == "no room"
+    plan = make_before_break.on_notice(s, warning("i-2"), T0)
+    assert plan.action == "no room" and [w.node_id for w in plan.swaps] == ["i-1", "i-2"]
+    s.swaps = plan.swaps
+    assert job_planner.shortfall(s) == 0  # ordered once the first swap makes room
+    s.nodes[1].state = NodeState.RELEASED  # i-1 swapped out for i-4
+    s.members = [0, 4, 2, 3]
+    assert job_planner.shortfall(s) == 1
 
 
 def test_no_room_at_max_nodes_without_surge_but_room_below_it() -> None:

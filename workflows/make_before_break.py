@@ -95,8 +95,8 @@ class WarningPlan:
     """What a warning or notice does make-before-break. "pass": the usual reclaim path
     decides; "order": a replacement is ordered ahead; "deadline": an open swap learns its
     node's deadline; "known": a repeated warning; "no room": a warning whose overlap would
-    exceed the cap, so training goes on and the reclaim notice, if one comes, decides (a
-    notice without room passes: it shrinks)."""
+    exceed the cap for now: its replacement is ordered once a swap or a loss makes room,
+    and training goes on meanwhile (a notice without room passes: it shrinks)."""
 
     action: WarningAction
     swaps: list[Swap]  # the open swaps afterwards
@@ -130,15 +130,14 @@ def on_notice(state: JobState, event: Reclaim, now: datetime) -> WarningPlan:
             return WarningPlan("deadline", [*others, swap], f"{name}: swap by {event.deadline}")
     elif known is not None:
         return WarningPlan("known", open_swaps)
-    if held_cap(state) - wanted(state) < 1 and not unclaimed:
-        if event.kind == "reclaim":
-            return WarningPlan("pass", open_swaps)  # no room for the overlap: shrink
-        return WarningPlan(
-            "no room", open_swaps, f"{name}: holding {held_cap(state)} node(s) already"
-        )
+    room = held_cap(state) - wanted(state) >= 1 or unclaimed
+    if not room and event.kind == "reclaim":
+        return WarningPlan("pass", open_swaps)  # no room for the overlap: shrink
     deadline = event.deadline if event.kind == "reclaim" else None
-    swap = Swap(node_id=name, deadline=deadline, since=now)
-    return WarningPlan("order", [*open_swaps, swap], f"replacement ordered ahead of {name}")
+    swaps = [*open_swaps, Swap(node_id=name, deadline=deadline, since=now)]
+    if not room:  # `wanted` orders it once a swap or a loss makes room
+        return WarningPlan("no room", swaps, f"{name}: holding {held_cap(state)} node(s) already")
+    return WarningPlan("order", swaps, f"replacement ordered ahead of {name}")
 
 
 def leaving_with(state: JobState, event: Reclaim) -> list[Swap]:

@@ -61,7 +61,7 @@ class Swapper:
                 s.record(workflow.now(), "no replacement to be had", f"{event.node_id}: shrinking")
                 self._shrink_now([w for w in s.swaps if w.node_id == event.node_id])
         elif plan.action == "no room":
-            s.record(workflow.now(), "no room for a replacement ahead", plan.detail)
+            s.record(workflow.now(), "no room for a replacement yet", plan.detail)
         elif plan.action == "deadline":
             s.record(workflow.now(), "warned node has a deadline", plan.detail)
         return True
@@ -104,4 +104,5 @@ class Swapper:
         s.swaps = [w for w in s.swaps if w.node_id not in {a.node_id for a in warned}]
         await self.fleet.release(warned, "swapped out (make-before-break)")
         s.record(workflow.now(), "swapped in one resize", names)
+        await self.fleet.reconcile()  # room for replacements still waiting for some
         return True
