@@ -159,6 +159,20 @@ def test_replacements_avoid_the_warned_nodes_pool_while_another_has_spot() -> No
     assert make_before_break.away_from_warned(s, offers[:1]) == offers[:1]  # nowhere else
 
 
+def test_swaps_wait_for_replacements_still_launching_until_a_notice_cannot_wait() -> None:
+    s = state(members=4, max_surge_nodes=2)
+    s.swaps = [Swap(node_id="i-0", since=T0), Swap(node_id="i-1", since=T0)]
+    s.nodes += [node(4), node(5, state=NodeState.REQUESTED)]
+    assert make_before_break.next_step(s, T0).pairs == []  # i-5 is launching: one resize
+    s.swaps[1] = s.swaps[1].model_copy(update={"deadline": T0 + timedelta(seconds=120)})
+    assert make_before_break.next_step(s, T0).pairs == []  # the notice can wait 55 s more
+    step = make_before_break.next_step(s, T0 + timedelta(seconds=55))
+    assert [(a.slot, b.slot) for a, b in step.pairs] == [(1, 4)]  # it cannot: swap now
+    s.nodes[5].state = NodeState.READY
+    step = make_before_break.next_step(s, T0)
+    assert [(a.slot, b.slot) for a, b in step.pairs] == [(1, 4), (0, 5)]
+
+
 # --- properties --------------------------------------------------------------------------------
 
 

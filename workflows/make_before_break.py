@@ -153,8 +153,9 @@ def leaving_with(state: JobState, event: Reclaim) -> list[Swap]:
 @dataclass(frozen=True)
 class SwapStep:
     """What open swaps need now: `pairs` (warned member, ready replacement) swap in one
-    resize, checkpointing within `grace`; `late` notices shrink as usual; `wake`: when the
-    next open notice's replacement becomes late."""
+    resize, checkpointing within `grace` (as many as are ready: while more replacements are
+    launching, it waits for them until a notice cannot wait); `late` notices shrink as
+    usual; `wake`: when the next open notice's replacement becomes late."""
 
     pairs: list[tuple[NodeRecord, NodeRecord]] = field(default_factory=list)
     late: list[Swap] = field(default_factory=list)
@@ -178,8 +179,12 @@ def next_step(state: JobState, now: datetime) -> SwapStep:
     members = [w for w in open_swaps if held[w.node_id].slot in state.members]
     urgent_first = sorted(members, key=lambda w: (w.deadline is None, w.deadline or now, w.since))
     doable = [w for w in urgent_first if grace(w) > 0]
-    pairs = list(zip(doable, spares(state), strict=False))
-    if pairs:
+    ready = spares(state)
+    # Replacements still launching join the same resize, unless a notice cannot wait.
+    launching = any(n.state == NodeState.REQUESTED for n in state.nodes)
+    due = any(w.deadline is not None and swap_by(state, w.deadline) <= now for w in doable)
+    pairs = list(zip(doable, ready, strict=False))
+    if pairs and (not launching or len(ready) >= len(doable) or due):
         return SwapStep(
             pairs=[(held[w.node_id], spare) for w, spare in pairs],
             swaps=open_swaps,
