@@ -443,13 +443,9 @@ MAKE_BEFORE_BREAK = {"early_warning": "make_before_break", "reclaim_notice": "ma
 def job_spec(setup: Setup, name: str, mbb: bool = False, **on_demand: Any) -> dict[str, Any]:
     """The benchmark's job; progress and capacity checks at the trace's tick keep the
     workflow's tasks per simulated hour few. `mbb`: make-before-break on warnings and notices
-    (else a warning shrinks like a notice, as `act_on_rebalance` did)."""
+    (else the defaults: a warning is ignored, a notice shrinks)."""
     tick = setup.tick_s
-    policy = (
-        MAKE_BEFORE_BREAK | {"max_surge_nodes": setup.max_surge_nodes}
-        if mbb
-        else {"early_warning": "shrink"}
-    )
+    policy = MAKE_BEFORE_BREAK | {"max_surge_nodes": setup.max_surge_nodes} if mbb else {}
     return {
         "name": name,
         "command": ["simulated"],
