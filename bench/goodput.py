@@ -63,6 +63,10 @@ COLUMNS = [
     "on_demand_node_h",
     "steps_lost",
     "resizes",
+    "reclaims",
+    "swapped",
+    "resizes_per_reclaim",
+    "pause_per_reclaim_s",
     "deadline_hit",
     "run_s",
     "stalls",
@@ -83,6 +87,8 @@ class Setup:
     checkpoint_minutes: float = 30.0
     restart_cost_s: float = 120.0
     notice_s: float = 120.0
+    rebalance_lead_s: float = 0.0  # a rebalance recommendation this long before each reclaim
+    max_surge_nodes: int = 1  # make-before-break rows: the overlap may exceed max_nodes by this
     spot_price: float = 0.9701
     on_demand_price: float = 3.06
     deadline_h: float | None = None
@@ -140,6 +146,9 @@ class Row:
     on_demand_node_h: float
     steps_lost: int = 0
     resizes: int = 0
+    reclaims: int = 0  # nodes the trace took from the job (warned, noticed or lost)
+    swapped: int = 0
+    pause_s: float = 0.0  # training paused: stopped, or starting up
     run_s: float = 0.0
     stalls: int = 0
     series: Series = field(default_factory=list)
@@ -159,6 +168,10 @@ class Row:
             "on_demand_node_h": self.on_demand_node_h,
             "steps_lost": self.steps_lost,
             "resizes": self.resizes,
+            "reclaims": self.reclaims,
+            "swapped": self.swapped,
+            "resizes_per_reclaim": self.resizes / self.reclaims if self.reclaims else None,
+            "pause_per_reclaim_s": self.pause_s / self.reclaims if self.reclaims else None,
             "deadline_hit": self.wall_h * 3600 <= setup.deadline_s(),
             "run_s": self.run_s,
             "stalls": self.stalls,
@@ -274,6 +287,8 @@ class Run:
     task_queue: str
     t0: datetime
     stalls: int = 0
+    warned: set[str] = field(default_factory=set)  # sent a rebalance recommendation
+    hit: set[str] = field(default_factory=set)  # taken by the trace: warned, noticed or lost
 
     async def elapsed_s(self) -> float:
         return (await self.env.get_current_time() - self.t0).total_seconds()
@@ -304,6 +319,9 @@ class Run:
         controller returns None (False): it takes over from there."""
         horizon = 10 * max(t.span_s for t in self.setup.traces)
         events = [(o, "drop", t.zone) for t in self.setup.traces for o in t.drops(horizon)]
+        lead = self.setup.rebalance_lead_s
+        if lead > 0:
+            events += [(o - lead, "warn", z) for o, _, z in events if o >= lead]
         events += [(0.0, "check", "")] if controller else []
         heapq.heapify(events)
         reclaiming: set[str] = set()
@@ -312,9 +330,16 @@ class Run:
             await self.sleep_until(offset)
             if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
                 return True
-            if kind == "drop":
+            if kind == "warn":  # the nodes the drop will take, warned `lead` ahead
+                for node_id in self._victims(what, offset + lead, reclaiming | self.warned):
+                    self.warned.add(node_id)
+                    self.hit.add(node_id)
+                    notice = {"node_id": node_id, "kind": "rebalance"}
+                    await handle.signal("reclaim", notice | {"event_id": f"w-{node_id}"})
+            elif kind == "drop":
                 for node_id in self._victims(what, offset, reclaiming):
                     reclaiming.add(node_id)
+                    self.hit.add(node_id)
                     if self.setup.notice_s > 0:
                         deadline = await self.env.get_current_time() + timedelta(
                             seconds=self.setup.notice_s
@@ -335,13 +360,15 @@ class Run:
         raise RuntimeError(f"{handle.id} did not finish within 10 spans of the trace")
 
     def _victims(self, zone: str, offset: float, reclaiming: set[str]) -> list[str]:
-        """The spot nodes above the zone's capacity at `offset` (the newest go first)."""
+        """The spot nodes above the zone's capacity at `offset`: those warned first, then
+        the newest."""
         held = sorted(
             (
                 n.node_id
                 for n in self.cloud.running()
                 if n.lifecycle == "spot" and n.zone == zone and n.node_id not in reclaiming
             ),
+            key=lambda node_id: (node_id in self.warned, node_id),
             reverse=True,
         )
         return held[: max(0, len(held) - self.setup.capacity(zone, offset))]
@@ -376,6 +403,20 @@ class Run:
         assert desc.close_time is not None
         return result, (desc.close_time - self.t0).total_seconds() / 3600
 
+    def paused_s(self) -> float:
+        """Seconds training stood still between its first start and its end: stopped for a
+        resize, then starting up again (`restart_cost_s`) at every later start."""
+        worlds = sorted(self.runtime.worlds)
+        starts = [t for t, w in worlds if w > 0]
+        if not starts:
+            return 0.0
+        stopped = sum(
+            (nxt - t).total_seconds()
+            for (t, w), (nxt, _) in itertools.pairwise(worlds)
+            if w == 0 and t >= starts[0]
+        )
+        return stopped + self.setup.restart_cost_s * (len(starts) - 1)
+
     def row(self, policy: str, wall_h: float, result: JobResult, began: float) -> Row:
         """The policy's outcome; `began`: time.monotonic() when the run began."""
         return Row(
@@ -386,16 +427,24 @@ class Run:
             result.node_hours["on-demand"],
             steps_lost=result.steps_lost,
             resizes=result.resizes,
+            reclaims=len(self.hit),
+            swapped=result.swapped,
+            pause_s=self.paused_s(),
             run_s=time.monotonic() - began,
             stalls=self.stalls,
             series=[((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds],
         )
 
 
-def job_spec(setup: Setup, name: str, **on_demand: Any) -> dict[str, Any]:
+MAKE_BEFORE_BREAK = {"early_warning": "make_before_break", "reclaim_notice": "make_before_break"}
+
+
+def job_spec(setup: Setup, name: str, mbb: bool = False, **on_demand: Any) -> dict[str, Any]:
     """The benchmark's job; progress and capacity checks at the trace's tick keep the
-    workflow's tasks per simulated hour few."""
+    workflow's tasks per simulated hour few. `mbb`: make-before-break on warnings and notices
+    (else the defaults: a warning is ignored, a notice shrinks)."""
     tick = setup.tick_s
+    policy = MAKE_BEFORE_BREAK | {"max_surge_nodes": setup.max_surge_nodes} if mbb else {}
     return {
         "name": name,
         "command": ["simulated"],
@@ -410,7 +459,8 @@ def job_spec(setup: Setup, name: str, **on_demand: Any) -> dict[str, Any]:
             "progress_report_interval_s": tick,
             "capacity_check_interval_s": tick,
             "stall_timeout_s": 4 * tick + setup.restart_cost_s,
-        },
+        }
+        | policy,
         "spot": {
             "instance_types": [
                 {
@@ -446,10 +496,13 @@ async def new_run(env: WorkflowEnvironment, setup: Setup) -> AsyncIterator[Run]:
             yield run
 
 
-async def spotrain(env: WorkflowEnvironment, setup: Setup, policy: str, **on_demand: Any) -> Row:
+async def spotrain(
+    env: WorkflowEnvironment, setup: Setup, policy: str, mbb: bool = False, **on_demand: Any
+) -> Row:
     began = time.monotonic()
     async with new_run(env, setup) as run:
-        handle = await run.start(job_spec(setup, f"bench-{uuid.uuid4().hex[:8]}", **on_demand))
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        handle = await run.start(job_spec(setup, name, mbb, **on_demand))
         await run.drive(handle)
         result, wall_h = await run.finish(handle)
     return run.row(policy, wall_h, result, began)
@@ -495,21 +548,33 @@ async def spotrain_deadline(env: WorkflowEnvironment, setup: Setup) -> Row:
 # --- the benchmark ---------------------------------------------------------------------------
 
 
-async def benchmark(setup: Setup, deadline: bool = True) -> list[Row]:
-    """Every policy on the same trace and work: the baselines, then spotrain's runs, each on
-    a fresh time-skipping server (a test-server stall in one run cannot hold up the next)."""
-    rows = [oracle(setup), all_on_demand(setup), fixed_restart(setup)]
-    runs: list[tuple[str, Callable[[WorkflowEnvironment], Awaitable[Row]]]] = [
-        ("spotrain elastic", lambda env: spotrain(env, setup, "spotrain elastic")),
-        (
-            "spotrain +fallback",
-            lambda env: spotrain(env, setup, "spotrain +fallback", fallback=True),
-        ),
-        (
-            "spotrain +od-base",
-            lambda env: spotrain(env, setup, "spotrain +od-base", base_nodes=setup.base_nodes),
-        ),
+def spotrain_runs(
+    setup: Setup, mbb: bool
+) -> list[tuple[str, Callable[[WorkflowEnvironment], Awaitable[Row]]]]:
+    """spotrain's policies, each followed by its make-before-break twin (`mbb`)."""
+    policies: list[tuple[str, dict[str, Any]]] = [
+        ("spotrain elastic", {}),
+        ("spotrain +fallback", {"fallback": True}),
+        ("spotrain +od-base", {"base_nodes": setup.base_nodes}),
     ]
+    return [
+        (
+            name + (" +mbb" if twin else ""),
+            lambda env, name=name, twin=twin, opts=opts: spotrain(
+                env, setup, name + (" +mbb" if twin else ""), twin, **opts
+            ),
+        )
+        for name, opts in policies
+        for twin in ([False, True] if mbb else [False])
+    ]
+
+
+async def benchmark(setup: Setup, deadline: bool = True, mbb: bool = True) -> list[Row]:
+    """Every policy on the same trace and work: the baselines, then spotrain's runs (with
+    and without make-before-break, side by side), each on a fresh time-skipping server (a
+    test-server stall in one run cannot hold up the next)."""
+    rows = [oracle(setup), all_on_demand(setup), fixed_restart(setup)]
+    runs = spotrain_runs(setup, mbb)
     if deadline:
         runs.append(("spotrain deadline", lambda env: spotrain_deadline(env, setup)))
     for policy, run in runs:
@@ -570,6 +635,8 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         "checkpoint_minutes",
         "restart_cost_s",
         "notice_s",
+        "rebalance_lead_s",
+        "max_surge_nodes",
         "spot_price",
         "on_demand_price",
         "deadline_h",
@@ -577,10 +644,11 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         default = getattr(defaults, name)
         p.add_argument(
             f"--{name.replace('_', '-')}",
-            type=float if name not in ("max_nodes", "min_nodes", "base_nodes") else int,
+            type=float if default is None else type(default),
             default=default,
         )
     p.add_argument("--no-deadline", action="store_true", help="skip the deadline policy")
+    p.add_argument("--no-mbb", action="store_true", help="skip the make-before-break rows")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     fields = {k: v for k, v in vars(args).items() if hasattr(defaults, k)}
@@ -591,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup, args = parse_args(argv)
     logging.getLogger("temporalio").setLevel(logging.ERROR)  # capacity errors are expected
     began = time.monotonic()
-    rows = asyncio.run(benchmark(setup, deadline=not args.no_deadline))
+    rows = asyncio.run(benchmark(setup, deadline=not args.no_deadline, mbb=not args.no_mbb))
     oracle_h = rows[0].wall_h
     report = {
         "setup": {k: v for k, v in vars(setup).items() if k != "traces"}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 JP = Path("workflows/job_planner.py")
 PL = Path("workflows/planner.py")
+MB = Path("workflows/make_before_break.py")
 
 M = [
     (
@@ -54,7 +55,7 @@ M = [
     (
         "act_on_rebalance",
         JP,
-        'if event.kind == "rebalance" and not state.spec.elastic.act_on_rebalance:',
+        'if event.kind == "rebalance" and state.spec.elastic.warning_policy != "shrink":',
         "if False:",
     ),
     (
@@ -194,6 +195,26 @@ M = [
         'tier = 0 if c.base else (1 if c.lifecycle == "spot" else 2)',
         "tier = 0",
     ),
+    (
+        "early_warning / reclaim_notice: make_before_break",
+        MB,
+        'policy = e.warning_policy if event.kind == "rebalance" else e.reclaim_notice',
+        'policy = "make_before_break"',
+    ),
+    ("max_surge_nodes", MB, "cap = e.max_nodes + e.max_surge_nodes", "cap = e.max_nodes + 1"),
+    (
+        "the pool's grant caps the overlap",
+        MB,
+        "cap = min(cap, state.grant.nodes if state.grant else 0)",
+        "cap = cap",
+    ),
+    ("checkpoint p99 sets the swap-by time", MB, "return stats.p99_s", "return 0.0"),
+    (
+        "a late notice shrinks",
+        MB,
+        "if w.deadline is not None and swap_by(state, w.deadline) <= now]",
+        "if False]",
+    ),
 ]
 
 
@@ -219,6 +240,7 @@ def main() -> int:
                     "no:cacheprovider",
                     "tests/test_planner_job.py",
                     "tests/test_planner.py",
+                    "tests/test_make_before_break_planner.py",
                 ],
                 capture_output=True,
                 text=True,

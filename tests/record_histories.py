@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RECORDING = [
     "tests/test_workflow_scenarios.py",
+    "tests/test_make_before_break.py",
     "tests/test_pools.py",
     "tests/chaos/test_crash_points.py",
     "tests/chaos/test_faults.py",

@@ -80,6 +80,9 @@ def test_goodput_benchmark_runs_the_real_workflow(
         "spotrain elastic",
         "spotrain +fallback",
         "spotrain +od-base",
+        "spotrain elastic +mbb",
+        "spotrain +fallback +mbb",
+        "spotrain +od-base +mbb",
         "spotrain deadline",
     }
     assert rows["on-demand"]["cost_vs_on_demand"] == pytest.approx(1.0)
@@ -90,6 +93,8 @@ def test_goodput_benchmark_runs_the_real_workflow(
     assert elastic["resizes"] >= 2
     assert elastic["on_demand_node_h"] == 0 and rows["spotrain +fallback"]["on_demand_node_h"] > 0
     assert rows["spotrain +od-base"]["on_demand_node_h"] > 0
+    for policy in ("spotrain elastic +mbb", "spotrain +fallback +mbb", "spotrain +od-base +mbb"):
+        assert rows[policy]["steps_lost"] == 0 and rows[policy]["resizes_per_reclaim"] > 0
     for row in rows.values():
         assert row["wall_h"] >= rows["oracle"]["wall_h"] or row["on_demand_node_h"] > 0
         assert 0 < row["goodput"] <= 1.0 + 1e-9

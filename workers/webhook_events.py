@@ -213,7 +213,7 @@ def parse_aws(obj: Any) -> list[Outcome]:
 
 def _early_warning(node_id: str, event_id: str) -> ReclaimNotice:
     """Rebalance recommendations and scheduled changes: no deadline (the instance is not
-    being taken yet); a job acts on them only with `elastic.act_on_rebalance`."""
+    being taken yet); a job acts per `elastic.early_warning`."""
     return ReclaimNotice(node_id=node_id, event_id=event_id, kind="rebalance")
 
 

@@ -23,6 +23,7 @@ class Reclaim(BaseModel):
     kind: Literal["reclaim", "rebalance"] = "reclaim"
     node_id: str
     deadline: datetime | None = None
+    shrink: bool = False  # its make-before-break replacement is late: shrink as usual
 
 
 class Lost(BaseModel):

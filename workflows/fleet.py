@@ -16,7 +16,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import calls, job_planner
+    from spotrain.workflows import calls, job_planner, make_before_break
     from spotrain.workflows.contract import (
         CAPACITY_ERROR,
         CONFIG_ERROR,
@@ -59,7 +59,7 @@ class Fleet:
         if short <= 0:
             return
         held = job_planner.spot_held(s)
-        offers = await self.find_offers()
+        offers = make_before_break.away_from_warned(s, await self.find_offers())
         plan = job_planner.spot_orders(s, offers, short, held, spot_only=spot_only)
         for order in plan.orders:
             self._order(order)

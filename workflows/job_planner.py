@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
-from spotrain.workflows import planner
+from spotrain.workflows import make_before_break, planner
 from spotrain.workflows.contract import (
     GenerationPlan,
     Lifecycle,
@@ -115,10 +115,11 @@ class SpotOrders:
 
 
 def shortfall(state: JobState) -> int:
-    """Nodes to order now so the job holds what it is allowed (0 while paused)."""
+    """Nodes to order now so the job holds what it is allowed, with the replacements ordered
+    ahead of warned nodes (0 while paused)."""
     if state.phase == Phase.PAUSED:
         return 0
-    return max(0, state.allowed - sum(1 for n in state.nodes if n.alive))
+    return max(0, make_before_break.wanted(state) - sum(1 for n in state.nodes if n.alive))
 
 
 def base_orders(state: JobState, short: int) -> list[Order]:
@@ -344,7 +345,7 @@ def reclaim_plan(state: JobState, event: Reclaim, now: datetime) -> ReclaimPlan:
     node = state.node_by_id(event.node_id)
     if node is None or not node.alive:
         return ReclaimPlan("ignore")
-    if event.kind == "rebalance" and not state.spec.elastic.act_on_rebalance:
+    if event.kind == "rebalance" and state.spec.elastic.warning_policy != "shrink":
         return ReclaimPlan("ignore rebalance")
     timeout = state.spec.elastic.graceful_shutdown_timeout_s
     left = None if event.deadline is None else (event.deadline - now).total_seconds()

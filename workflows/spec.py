@@ -18,6 +18,7 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?$"
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
 NonNegativeSeconds = Annotated[float, Field(ge=0)]
+WarningPolicy = Literal["ignore", "shrink", "make_before_break"]
 
 
 class Strict(BaseModel):
@@ -100,6 +101,25 @@ class ElasticPolicy(Strict):
     act_on_rebalance: bool = Field(
         False, description="treat an EC2 rebalance recommendation as a reclaim notice"
     )
+    early_warning: WarningPolicy | None = Field(
+        None,
+        description="what an early warning (rebalance recommendation, scheduled retirement) "
+        "does: ignore it, shrink as on a reclaim notice, or make_before_break (order a "
+        "replacement at once, swap onto it in one resize when ready); None: shrink with "
+        "act_on_rebalance, else ignore",
+    )
+    reclaim_notice: Literal["shrink", "make_before_break"] = Field(
+        "shrink",
+        description="on a reclaim notice: shrink at once (the replacement grows back later), "
+        "or order the replacement first and swap onto it in one resize if it is ready before "
+        "the deadline minus the checkpoint p99 (else shrink)",
+    )
+    max_surge_nodes: int = Field(
+        0,
+        ge=0,
+        description="nodes a make-before-break replacement may hold beyond max_nodes while it "
+        "overlaps the warned node (0: only below max_nodes); a pool's grant is never exceeded",
+    )
     opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
     progress_report_interval_s: PositiveSeconds = Field(
         30, description="how often running ranks' progress reaches the workflow"
@@ -121,6 +141,18 @@ class ElasticPolicy(Strict):
                     f"discrete_sizes {bad} outside [min_nodes, max_nodes] = "
                     f"[{self.min_nodes}, {self.max_nodes}]"
                 )
+        if self.act_on_rebalance and self.early_warning not in (None, "shrink"):
+            raise ValueError(
+                f"act_on_rebalance means early_warning: shrink, not {self.early_warning}: "
+                "set only early_warning"
+            )
+        if self.reclaim_policy == "drop" and "make_before_break" in (
+            self.warning_policy,
+            self.reclaim_notice,
+        ):
+            raise ValueError(
+                "make_before_break orders a replacement: it needs reclaim_policy: replace"
+            )
         if self.initial_nodes is not None and not (
             self.min_nodes <= self.initial_nodes <= self.max_nodes
         ):
@@ -129,6 +161,13 @@ class ElasticPolicy(Strict):
                 f"[{self.min_nodes}, {self.max_nodes}]"
             )
         return self
+
+    @property
+    def warning_policy(self) -> WarningPolicy:
+        """What an early warning does (`early_warning`, defaulting from `act_on_rebalance`)."""
+        if self.early_warning is not None:
+            return self.early_warning
+        return "shrink" if self.act_on_rebalance else "ignore"
 
 
 class PoolMembership(Strict):

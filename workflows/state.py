@@ -89,6 +89,14 @@ class NodeRecord(BaseModel):
         return max(0.0, (end - self.ready_at).total_seconds() / 3600)
 
 
+class Swap(BaseModel):
+    """A warned node whose replacement the job ordered ahead (make-before-break)."""
+
+    node_id: str
+    deadline: datetime | None = Field(None, description="a reclaim notice's; None: a warning")
+    since: datetime
+
+
 class TimelineEntry(BaseModel):
     time: datetime
     generation: int
@@ -139,6 +147,10 @@ class JobState(BaseModel):
     pool_reports: int = Field(0, description="reports sent to the pool, numbering them")
     checkpoints: CheckpointStats | None = None
     losses: int = Field(0, description="running generations lost without notice")
+    swaps: list[Swap] = Field(
+        default_factory=list, description="warned nodes with a replacement ordered ahead"
+    )
+    swapped: int = Field(0, description="warned nodes swapped out in one resize each time")
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -297,6 +309,7 @@ class JobState(BaseModel):
             "reclaims": self.reclaims,
             "faults": self.faults,
             "resizes": self.resizes,
+            "swapped": self.swapped,
             "steps_lost": self.steps_lost,
             "node_hours": {k: round(v, 6) for k, v in hours.items()},
             "cost": {k: round(v, 6) for k, v in cost.items()},
@@ -336,6 +349,7 @@ class JobAccounts(BaseModel):
     reclaims: int
     faults: int
     resizes: int
+    swapped: int = Field(0, description="warned nodes replaced make-before-break")
     steps_lost: int
     node_hours: dict[str, float]
     cost: dict[str, float]

@@ -51,6 +51,7 @@ with workflow.unsafe.imports_passed_through():
         Phase,
         TimelineEntry,
     )
+    from spotrain.workflows.swapper import Swapper
 
 INVALID_SPEC = "InvalidSpec"
 JOB_FAILED = "JobFailed"
@@ -90,6 +91,14 @@ class TrainingJob:
         s = self.s
         self.fleet = Fleet(s, self._on_nodes_changed)
         self.ranks = Ranks(s, self._set_phase)
+        self.swapper = Swapper(
+            s,
+            self.fleet,
+            self.ranks,
+            lambda node_id, deadline: s.inbox.insert(
+                0, events.Reclaim(node_id=node_id, deadline=deadline, shrink=True)
+            ),
+        )
         if s.submitted_at is None:
             s.submitted_at = self._now()
             s.next_check = self._now() + timedelta(seconds=s.spec.elastic.capacity_check_interval_s)
@@ -257,6 +266,7 @@ class TrainingJob:
             "next capacity check": s.next_check,
             "grow once the scaling timeout has passed": self._growth_at(),
             "next progress report": None if watch else self.ranks.next_watch,
+            "a warned node's replacement is late: shrink": self.swapper.wake(),
         }
         soonest = min(((w, why) for why, w in wake.items() if w is not None), default=None)
         await self._wait(
@@ -264,6 +274,8 @@ class TrainingJob:
             soonest[1] if soonest else "",
             watch.done if watch else lambda: False,
         )
+        if await self.swapper.step():
+            return False
         growth_at = self._growth_at()
         if growth_at is not None and self._now() >= growth_at:
             plan = job_planner.growth_plan(s) or []
@@ -408,6 +420,8 @@ class TrainingJob:
     async def _on_reclaim(self, event: events.Reclaim) -> None:
         """A notice with time left: checkpoint, shrink onto the survivors, replace per policy."""
         s = self._active_state()
+        if await self.swapper.on_notice(event):
+            return  # make-before-break: a replacement first, one resize later
         plan = job_planner.reclaim_plan(s, event, self._now())
         node = s.node_by_id(event.node_id)
         if node is None or plan.action == "ignore":

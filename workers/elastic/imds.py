@@ -10,7 +10,7 @@ rebalance` (404 while there is none). A 1 s timeout keeps a missing endpoint che
 - An interruption notice raises this rank's elastic event at once, and is reported to the
   checkpoint store (`gen-<g>/notice/<event id>.json`), where the runtime's watch finds it and
   the workflow queues it as a `reclaim`: the workflow learns of it with no webhook.
-- A rebalance recommendation is only reported: the job's `act_on_rebalance` decides, and if
+- A rebalance recommendation is only reported: the job's `early_warning` policy decides, and if
   it acts, the control record brings the event back within a second.
 
 Event ids are stable (`imds-<instance>-<action>-<time>`): every rank of the node, and every
