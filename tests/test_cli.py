@@ -220,7 +220,7 @@ async def test_steer_a_running_job(cli: Cli, tmp_path: Path) -> None:
 
 
 async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) -> None:
-    spec = fast_spec(total_steps=120)
+    spec = fast_spec(total_steps=120, checkpoint=(tmp_path / "ckpt").as_uri())
     name = spec["name"]
     r = await cli("submit", str(write(tmp_path, spec)), "--wait")
     assert r.code == 0, r
@@ -241,6 +241,19 @@ async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) 
 
     r = await cli("status", f"nope-{uuid.uuid4().hex[:6]}")
     assert (r.code, "no running job named" in r.err) == (1, True), r
+
+    # A name is one job: submitting it again is refused, unless the user resumes it, which
+    # removes the done marker its ranks left so that the new run trains on.
+    r = await cli("submit", str(write(tmp_path, spec)))
+    assert (r.code, "already ran" in r.err, "--resume" in r.err) == (1, True, True), r
+    JobStore(spec["checkpoint"]).write_done(120, 0.0)  # as the finished job's ranks did
+    r = await cli("submit", str(write(tmp_path, spec)), "--resume")
+    assert (r.code, "raise total_steps" in r.err) == (2, True), r
+    r = await cli(
+        "submit", str(write(tmp_path, {**spec, "total_steps": 240})), "--resume", "--wait"
+    )
+    assert r.code == 0 and "Succeeded" in r.out, r
+    assert JobStore(spec["checkpoint"]).done() is None
 
 
 async def test_submit_wait_exits_1_when_the_job_fails(cli: Cli, tmp_path: Path) -> None:

@@ -38,10 +38,11 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from spotrain.elastic.job_store import JobStore
 from spotrain.workers.connect import TASK_QUEUE, Unreachable, connect
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
 from spotrain.workflows import attributes
@@ -216,11 +217,17 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         raise CliError(
             f"{args.file}: no capacity pool named {pool!r} runs: `spotrain pool create {pool}`"
         )
+    if args.resume:
+        reopen(spec)
     try:
         handle = await c.start_workflow(
             "TrainingJob",
             spec,
             id=name,
+            # A name is one job: a finished job's name is taken unless the user resumes it.
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE
+            if args.resume
+            else WorkflowIDReusePolicy.REJECT_DUPLICATE,
             task_queue=args.task_queue,
             result_type=JobResult,
             search_attributes=TypedSearchAttributes(
@@ -232,15 +239,42 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             static_summary=f"training job {name}: {spec['total_steps']} steps",
         )
     except WorkflowAlreadyStartedError:
+        if await runs(c, name):
+            raise CliError(
+                f"a job named {name!r} is already running: choose another name, or "
+                f"`spotrain cancel {name}` first"
+            ) from None
         raise CliError(
-            f"a job named {name!r} is already running: choose another name, or "
-            f"`spotrain cancel {name}` first"
+            f"a job named {name!r} already ran (`spotrain report {name}`): a name is one job. "
+            f"`spotrain submit {args.file} --resume` continues it from its checkpoints "
+            "(raise total_steps to train further); for a fresh run, choose another name"
         ) from None
     err.print(f"submitted {name} on task queue {args.task_queue}")
     if not args.wait:
         err.print(f"watch it: spotrain status {name} --watch")
         return OK
     return await wait_for(handle, args.interval)
+
+
+def reopen(spec: dict[str, Any]) -> None:
+    """`--resume`: a job that finished left its done marker at its checkpoint location; remove
+    it so that the new run's ranks train on from the latest checkpoint to `total_steps`."""
+    location = spec["checkpoint"]
+    try:
+        store = JobStore(location)
+        latest, done = store.latest_checkpoint(), store.done()
+    except Exception as e:  # any store error: say where and why, never a traceback
+        raise CliError(f"cannot read the checkpoints at {location}: {e}") from None
+    if done is not None and done.get("step", 0) >= spec["total_steps"]:
+        raise CliError(
+            f"the job at {location} already trained {done['step']} steps: raise total_steps "
+            f"(now {spec['total_steps']}) to train further",
+            USAGE,
+        )
+    if done is not None:
+        store.reopen()
+    step = (latest or {}).get("step")
+    err.print(f"resuming from the checkpoint at step {step}" if step else "no checkpoint yet")
 
 
 async def wait_for(handle: WorkflowHandle[Any, Any], interval: float) -> int:
@@ -720,6 +754,11 @@ def parser() -> argparse.ArgumentParser:
         "--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE), metavar="Q"
     )
     c.add_argument("--wait", action="store_true", help="show progress until the job ends")
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a job of this name that ran before, from its checkpoints",
+    )
     c.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
 
     c = command(

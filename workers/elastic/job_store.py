@@ -259,6 +259,14 @@ class JobStore:
     def write_done(self, step: int, time: float) -> None:
         self.store.put_json("done.json", {"step": step, "time": time})
 
+    def reopen(self) -> dict[str, Any] | None:
+        """Forget that training finished (`spotrain submit --resume`), so that the next ranks
+        train on from the latest checkpoint; the marker it removed, or None."""
+        done = self.done()
+        if done is not None:
+            self.store.delete_prefix("done.json")
+        return done
+
     def done(self) -> dict[str, Any] | None:
         return self.store.get_json("done.json")
 
