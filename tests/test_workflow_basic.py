@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import pytest
@@ -10,9 +11,9 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.simulated import SimulatedCloud
+from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workflows import contract, events
-from spotrain.workflows.contract import LaunchRequest, NodeInfo
+from spotrain.workflows.contract import CleanupRequest, LaunchRequest, NodeInfo
 from spotrain.workflows.spec import parse_spec
 from spotrain.workflows.state import JobState
 
@@ -151,3 +152,70 @@ async def test_an_event_queued_before_continue_as_new_is_acted_on_in_the_next_ru
         await handle.terminate()
     assert any(e.event == "paused" for e in status.timeline)
     assert status.generation == 0  # paused before any generation started
+
+
+@pytest.mark.parametrize("attempts", [2, 3])
+async def test_a_nodes_launch_is_tried_max_launch_attempts_times(
+    ts_env: WorkflowEnvironment, attempts: int
+) -> None:
+    """An API that fails twice before it answers: three attempts get the node, two give it
+    up ("launch failed") and never try a third time."""
+    tried: list[int] = []
+
+    class Flaky(SimulatedCloud):
+        @activity.defn(name=contract.LAUNCH_NODE)
+        def launch_node(self, req: LaunchRequest) -> NodeInfo:
+            tried.append(activity.info().attempt)
+            if activity.info().attempt <= 2:
+                raise ApplicationError("RequestLimitExceeded: slow down", type="Throttled")
+            return super().launch_node(req)
+
+    spec = job_spec(elastic={"min_nodes": 1, "max_nodes": 1, "max_launch_attempts": attempts})
+    async with simulated(ts_env.client, cloud=Flaky()) as sim:
+        handle = await sim.start(spec)
+        if attempts == 3:
+            status = await until(sim, handle, lambda s: s.phase == "Running", timeout=60)
+        else:
+            status = await until(
+                sim, handle, lambda s: any(e.event == "launch failed" for e in s.timeline), 60
+            )
+        await handle.terminate()
+    assert max(tried) == attempts
+    assert any(e.event == "launch failed" for e in status.timeline) == (attempts == 2)
+
+
+@pytest.mark.parametrize(
+    ("cleanup", "fails", "keep"),
+    [
+        ("always", False, False),
+        ("always", True, False),
+        ("keep_failed", False, False),
+        ("keep_failed", True, True),
+        ("never", False, True),
+        ("never", True, True),
+    ],
+)
+async def test_each_cleanup_policy_keeps_what_it_says(
+    ts_env: WorkflowEnvironment, cleanup: str, fails: bool, keep: bool
+) -> None:
+    """`cleanup`: what the runtime is told to keep (pods, logs) when the job ends."""
+    kept: list[bool] = []
+
+    class Recording(SimulatedRuntime):
+        @activity.defn(name=contract.CLEANUP_JOB)
+        def cleanup_job(self, req: CleanupRequest) -> None:
+            kept.append(req.keep)
+            super().cleanup_job(req)
+
+    class Misconfigured(SimulatedCloud):
+        @activity.defn(name=contract.LAUNCH_NODE)
+        def launch_node(self, req: LaunchRequest) -> NodeInfo:
+            raise ApplicationError("bad type", type=contract.CONFIG_ERROR, non_retryable=True)
+
+    cloud = Misconfigured() if fails else SimulatedCloud()
+    spec = job_spec(total_steps=100, cleanup=cleanup)
+    async with simulated(ts_env.client, cloud=cloud, runtime=Recording()) as sim:
+        handle = await sim.start(spec)
+        with contextlib.suppress(WorkflowFailureError):
+            await handle.result()
+    assert kept == [keep]

@@ -5,6 +5,7 @@ code only.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -46,8 +47,7 @@ QUICK = RetryPolicy(maximum_attempts=5, maximum_interval=timedelta(seconds=10))
 PERSISTENT = RetryPolicy(maximum_interval=timedelta(seconds=30))
 # Read-only calls that answer at once (no heartbeat): a failure costs one round, nothing more.
 QUICK_READ: dict[str, Any] = {"timeout": QUICK_CALL, "retry": QUICK, "heartbeat": None}
-LAUNCH_RETRY = RetryPolicy(
-    maximum_attempts=20,
+LAUNCH_RETRY = RetryPolicy(  # maximum_attempts: the spec's elastic.max_launch_attempts
     maximum_interval=timedelta(seconds=30),
     non_retryable_error_types=list(NON_RETRYABLE_ERRORS),
 )
@@ -80,9 +80,10 @@ async def _run(
     )
 
 
-async def launch_node(req: LaunchRequest, summary: str) -> NodeInfo:
+async def launch_node(req: LaunchRequest, summary: str, attempts: int) -> NodeInfo:
     long = timedelta(minutes=15)
-    return await _run(LAUNCH_NODE, req, summary, NodeInfo, timeout=long, retry=LAUNCH_RETRY)
+    retry = dataclasses.replace(LAUNCH_RETRY, maximum_attempts=attempts)
+    return await _run(LAUNCH_NODE, req, summary, NodeInfo, timeout=long, retry=retry)
 
 
 async def release_nodes(req: ReleaseRequest, summary: str) -> None:

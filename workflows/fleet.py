@@ -101,6 +101,7 @@ class Fleet:
                 info = await calls.launch_node(
                     self._launch_request(node, tries[i + 1 :]),
                     f"launch {lifecycle} {itype} in {zone or 'any zone'}, slot {node.slot}",
+                    s.spec.elastic.max_launch_attempts,
                 )
             except ActivityError as err:
                 node.attempt += 1

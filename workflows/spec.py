@@ -94,9 +94,15 @@ class ElasticPolicy(Strict):
         120, description="after a fault, wait this long for a replacement before shrinking"
     )
     max_restarts: int = Field(5, ge=0, description="failed generations in a row before failing")
+    max_launch_attempts: int = Field(
+        20,
+        ge=1,
+        description="tries of one node's launch (errors other than no capacity: API limits, "
+        "timeouts) before that node is given up; no capacity moves on to the next pool at once",
+    )
     stall_timeout_s: PositiveSeconds = Field(600, description="no progress this long is a fault")
     reclaim_policy: Literal["drop", "replace"] = Field(
-        "replace", description="drop the lost worker, or order a replacement and grow back"
+        "replace", description="drop the lost node, or order a replacement and grow back"
     )
     act_on_rebalance: bool = Field(
         False, description="treat an EC2 rebalance recommendation as a reclaim notice"
