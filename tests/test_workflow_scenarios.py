@@ -180,6 +180,42 @@ async def test_opportunistic_scale_out_when_spot_capacity_appears(
     assert sim.cloud.running() == []
 
 
+async def test_a_timed_scale_out_reverts_when_the_nodes_do_not_come(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    """`{"count", "timeout_s"}`: the update answers when the nodes came, or once the target
+    went back because they did not come in time (no capacity: it used to wait for ever)."""
+    spot = {"n": 2}
+    cloud = SimulatedCloud(zones=["us-east-1a"], capacity=lambda _t, _z, _w: spot["n"])
+    spec = fast_spec(
+        total_steps=10**6,
+        elastic={"initial_nodes": 2, "opportunistic": False},
+        on_demand={"fallback": False},
+        spot=ONE_ZONE,
+    )
+    async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
+        handle = await sim.start(spec)
+        await until(sim, handle, running_at(2))
+        answer = await handle.execute_update(
+            "scale_out", {"count": 2, "timeout_s": 3}, result_type=str
+        )
+        assert answer == "timed out with 2 of 4 node(s) ready: target back to 2", answer
+        status = await sim.status(handle)
+        assert [e.detail for e in status.timeline if e.event == "scale out timed out"] == [answer]
+        assert len([n for n in status.nodes if n.state in ("requested", "ready")]) == 2
+        spot["n"] = 4  # now the nodes come
+        answer = await handle.execute_update(
+            "scale_out", {"count": 2, "timeout_s": 60}, result_type=str
+        )
+        assert answer == "scaled out: 4 nodes ready"
+        await until(sim, handle, running_at(4))
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        await record_history(handle, "timed_scale_out")
+    assert sim.cloud.running() == []
+
+
 async def test_discrete_sizes_only(dev_env: WorkflowEnvironment) -> None:
     cloud = SimulatedCloud(zones=["us-east-1a"], capacity=lambda _t, _z, _w: 3)
     spec = fast_spec(

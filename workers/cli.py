@@ -370,12 +370,16 @@ async def update(args: argparse.Namespace, name: str, payload: Any) -> int:
         reason = e.cause.message if isinstance(e.cause, ApplicationError) else str(e.cause)
         raise CliError(f"{name} rejected: {reason}") from None
     out.print(f"{args.name}: {message}")
-    return OK
+    return FAILED if message.startswith("timed out") else OK
 
 
 async def cmd_scale(args: argparse.Namespace) -> int:
+    if args.timeout is not None and args.out is None:
+        raise CliError("--timeout goes with --out", USAGE)
     if args.out is not None:
-        return await update(args, "scale_out", ScaleOut(count=args.out))
+        if args.timeout is not None:
+            err.print(f"waiting up to {args.timeout:g} s for {args.out} more node(s)...")
+        return await update(args, "scale_out", ScaleOut(count=args.out, timeout_s=args.timeout))
     if args.in_ is not None:
         return await update(args, "scale_in", ScaleIn(count=args.in_))
     return await update(args, "scale_in", ScaleIn(node_ids=args.node))
@@ -717,6 +721,13 @@ def positive(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spotrain",
@@ -785,11 +796,18 @@ def parser() -> argparse.ArgumentParser:
         "scale",
         cmd_scale,
         "grow or shrink a running job",
-        "  spotrain scale my-job --out 2\n  spotrain scale my-job --in 1\n"
-        "  spotrain scale my-job --node i-0abc i-0def",
+        "  spotrain scale my-job --out 2\n  spotrain scale my-job --out 2 --timeout 600\n"
+        "  spotrain scale my-job --in 1\n  spotrain scale my-job --node i-0abc i-0def",
     )
     how = c.add_mutually_exclusive_group(required=True)
     how.add_argument("--out", type=positive, metavar="N", help="add N nodes")
+    c.add_argument(
+        "--timeout",
+        type=seconds,
+        metavar="S",
+        help="with --out: wait for the nodes this long; if they do not come, the target goes "
+        "back (exit 1)",
+    )
     how.add_argument("--in", dest="in_", type=positive, metavar="N", help="remove N nodes")
     how.add_argument("--node", nargs="+", metavar="ID", help="remove exactly these nodes")
 

@@ -47,7 +47,11 @@ class NodeLost(Message):
 
 
 class ScaleOut(Message):
+    """Add `count` nodes; with `timeout_s`, the update answers once they came or, if they did
+    not in time, once the target went back."""
+
     count: int = Field(ge=1)
+    timeout_s: float | None = Field(None, gt=0)
 
 
 class ScaleIn(Message):

@@ -34,8 +34,19 @@ class Lost(BaseModel):
 
 
 class ScaleOut(BaseModel):
+    """Add `count` nodes; `seq`: a timed scale-out's number (0: untimed)."""
+
     kind: Literal["scale_out"] = "scale_out"
     count: int
+    timeout_s: float | None = None
+    seq: int = 0
+
+
+class ScaleOutDue(BaseModel):
+    """Timed scale-out `seq`'s time is up."""
+
+    kind: Literal["scale_out_due"] = "scale_out_due"
+    seq: int
 
 
 class ScaleIn(BaseModel):
@@ -62,5 +73,6 @@ class Grant(BaseModel):
 
 
 Event = Annotated[
-    Reclaim | Lost | ScaleOut | ScaleIn | Pause | Resume | Grant, Field(discriminator="kind")
+    Reclaim | Lost | ScaleOut | ScaleOutDue | ScaleIn | Pause | Resume | Grant,
+    Field(discriminator="kind"),
 ]

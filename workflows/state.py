@@ -105,6 +105,17 @@ class TimelineEntry(BaseModel):
     detail: str = ""
 
 
+class PendingScaleOut(BaseModel):
+    """A timed scale-out waiting for its nodes (at most one at a time)."""
+
+    seq: int  # the update's number: its answer is keyed by it
+    count: int
+    target: int  # the target it asked for
+    back_to: int  # the target before, restored on timeout
+    ceiling_before: int
+    due: datetime
+
+
 class JobState(BaseModel):
     spec: JobSpec
     phase: Phase = Phase.PENDING
@@ -151,6 +162,11 @@ class JobState(BaseModel):
         default_factory=list, description="warned nodes with a replacement ordered ahead"
     )
     swapped: int = Field(0, description="warned nodes swapped out in one resize each time")
+    scale_outs: int = Field(0, description="timed scale-outs asked for, numbering them")
+    pending_scale_out: PendingScaleOut | None = None
+    scale_out_answer: tuple[int, str] | None = Field(
+        None, description="the last timed scale-out's outcome, by number"
+    )
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:

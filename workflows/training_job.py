@@ -24,7 +24,14 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import attributes, calls, events, job_planner, start_failure
+    from spotrain.workflows import (
+        attributes,
+        calls,
+        events,
+        job_planner,
+        start_failure,
+        timed_scale_out,
+    )
     from spotrain.workflows.checkpoints import CheckpointStats
     from spotrain.workflows.contract import (
         CONFIG_ERROR,
@@ -79,6 +86,8 @@ class TrainingJob:
         self._changes = 0
         self._published: tuple[Any, ...] | None = None
         self._reported: dict[str, Any] | None = None
+        self._timed_scale_outs: set[asyncio.Task[None]] = set()  # their timers
+        self._scale_outs_waiting = 0  # timed scale-out updates not answered yet
 
     # --- the public interface ----------------------------------------------------------------
 
@@ -148,13 +157,25 @@ class TrainingJob:
             self.s.inbox.append(events.Grant(grant=grant))
 
     @workflow.update(name="scale_out")
-    def scale_out(self, req: ScaleOut) -> str:
-        self._active_state().inbox.append(events.ScaleOut(count=req.count))
-        return f"scaling out by {req.count} node(s)"
+    async def scale_out(self, req: ScaleOut) -> str:
+        s = self._active_state()
+        if req.timeout_s is None:
+            s.inbox.append(events.ScaleOut(count=req.count))
+            return f"scaling out by {req.count} node(s)"
+        s.scale_outs += 1
+        seq = s.scale_outs
+        s.inbox.append(events.ScaleOut(count=req.count, timeout_s=req.timeout_s, seq=seq))
+        self._scale_outs_waiting += 1
+        await workflow.wait_condition(lambda: (s.scale_out_answer or (0, ""))[0] == seq)
+        self._scale_outs_waiting -= 1
+        return (s.scale_out_answer or (0, ""))[1]
 
     @scale_out.validator
     def _check_scale_out(self, req: ScaleOut) -> None:
-        if error := job_planner.scale_out_error(self._active_state(), req.count):
+        s = self._active_state()
+        if error := job_planner.scale_out_error(s, req.count) or (
+            req.timeout_s is not None and timed_scale_out.busy(s)
+        ):
             raise ValueError(error)
 
     @workflow.update(name="scale_in")
@@ -233,6 +254,7 @@ class TrainingJob:
                 # (before the patch, only a running job continued as new: one short of
                 # nodes for long kept growing its history)
                 and (s.running or workflow.patched("continue-as-new-when-not-running"))
+                and not self._scale_outs_waiting  # (their answer is this run's to give)
             ):
                 self.ranks.cancel_watch()
                 return True
@@ -393,12 +415,18 @@ class TrainingJob:
                     node = s.node_by_id(node_id)
                     if node is not None and node.alive:
                         await self._on_lost(node, "lost")
-                case events.ScaleOut(count=count):
+                case events.ScaleOut(count=count, timeout_s=timeout_s, seq=seq):
+                    if timeout_s is not None:
+                        timed_scale_out.begin(s, seq, count, timeout_s, self._now())
+                        self._scale_out_timer(seq, timeout_s)
                     s.target += count
                     s.ceiling = max(s.ceiling, s.target)
                     s.owed += count
                     s.record(self._now(), "scale out", f"target {s.target} nodes")
                     await self.fleet.reconcile()
+                    self._settle_scale_out()  # (enough ready nodes already: answered now)
+                case events.ScaleOutDue(seq=seq):
+                    await self._scale_out_due(seq)
                 case events.ScaleIn(count=count, node_ids=node_ids):
                     down = job_planner.scale_in_plan(s, count, node_ids)
                     s.target = s.ceiling = down.target
@@ -409,6 +437,7 @@ class TrainingJob:
                     )
                     await self._remove(down.victims, "scale in", "scaled in")
                 case events.Pause():
+                    timed_scale_out.answer(s, f"paused; the target stays {s.target} nodes")
                     await self._release_everything("pause", "requested by user", "paused")
                     self._set_phase(Phase.PAUSED)
                     s.record(self._now(), "paused")
@@ -563,7 +592,43 @@ class TrainingJob:
         s = self._active_state()
         self._changes += 1
         s.grow_since = job_planner.growth_since(s, self._now())
+        self._settle_scale_out()
         self._publish()
+
+    def _settle_scale_out(self) -> None:
+        """Answer a timed scale-out whose nodes are all ready."""
+        s = self._active_state()
+        if s.pending_scale_out is not None and timed_scale_out.reached(s):
+            s.record(self._now(), "scaled out", f"{s.pending_scale_out.target} nodes ready")
+            timed_scale_out.answer(s, f"scaled out: {s.pending_scale_out.target} nodes ready")
+
+    def _scale_out_timer(self, seq: int, seconds: float) -> None:
+        """Timed scale-out `seq`'s time is up in `seconds`: queue it as an event."""
+
+        async def due() -> None:
+            await workflow.sleep(seconds, summary=f"scale-out {seq}: nodes in time?")
+            self._active_state().inbox.append(events.ScaleOutDue(seq=seq))
+
+        task = asyncio.create_task(due())
+        self._timed_scale_outs.add(task)
+        task.add_done_callback(self._timed_scale_outs.discard)
+
+    async def _scale_out_due(self, seq: int) -> None:
+        """The nodes did not come in time: the target goes back, idle extras are released."""
+        s = self._active_state()
+        pending = s.pending_scale_out
+        if pending is None or pending.seq != seq:
+            return  # they came in time
+        undo = timed_scale_out.revert(s)
+        s.target, s.ceiling, s.owed = undo.target, undo.ceiling, undo.owed
+        ready = sum(1 for n in s.nodes if n.state == NodeState.READY)
+        why = (
+            f"timed out with {ready} of {pending.target} node(s) ready: "
+            f"target back to {undo.target}"
+        )
+        s.record(self._now(), "scale out timed out", why)
+        timed_scale_out.answer(s, why)
+        await self.fleet.release(undo.surplus, "scale out timed out")
 
     # --- growth and periodic checks ----------------------------------------------------------
 
@@ -593,6 +658,7 @@ class TrainingJob:
     async def _teardown(self, phase: Phase, keep: bool) -> None:
         """Release every node and worker the job owns; runs on success, failure and cancel."""
         s = self._active_state()
+        timed_scale_out.answer(s, f"job {phase.lower()} before the nodes came")
         self.ranks.cancel_watch()
         if s.running:
             await self.ranks.stop(graceful=False, grace=0, lost=[], reason=f"job {phase.lower()}")
