@@ -48,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows.history import history_is_long
     from spotrain.workflows.pool import pool_workflow_id
     from spotrain.workflows.ranks import Ranks
+    from spotrain.workflows.scale_out_waits import ScaleOutWaits
     from spotrain.workflows.spec import SpecError, parse_spec
     from spotrain.workflows.state import (
         JobResult,
@@ -86,8 +87,8 @@ class TrainingJob:
         self._changes = 0
         self._published: tuple[Any, ...] | None = None
         self._reported: dict[str, Any] | None = None
-        self._timed_scale_outs: set[asyncio.Task[None]] = set()  # their timers
-        self._scale_outs_waiting = 0  # timed scale-out updates not answered yet
+        if self.s is not None:
+            self.scale_out_waits = ScaleOutWaits(self.s, self._now)
 
     # --- the public interface ----------------------------------------------------------------
 
@@ -162,13 +163,7 @@ class TrainingJob:
         if req.timeout_s is None:
             s.inbox.append(events.ScaleOut(count=req.count))
             return f"scaling out by {req.count} node(s)"
-        s.scale_outs += 1
-        seq = s.scale_outs
-        s.inbox.append(events.ScaleOut(count=req.count, timeout_s=req.timeout_s, seq=seq))
-        self._scale_outs_waiting += 1
-        await workflow.wait_condition(lambda: (s.scale_out_answer or (0, ""))[0] == seq)
-        self._scale_outs_waiting -= 1
-        return (s.scale_out_answer or (0, ""))[1]
+        return await self.scale_out_waits.ask(req.count, req.timeout_s)
 
     @scale_out.validator
     def _check_scale_out(self, req: ScaleOut) -> None:
@@ -254,7 +249,7 @@ class TrainingJob:
                 # (before the patch, only a running job continued as new: one short of
                 # nodes for long kept growing its history)
                 and (s.running or workflow.patched("continue-as-new-when-not-running"))
-                and not self._scale_outs_waiting  # (their answer is this run's to give)
+                and not self.scale_out_waits.waiting  # (their answers are this run's)
             ):
                 self.ranks.cancel_watch()
                 return True
@@ -415,18 +410,17 @@ class TrainingJob:
                     node = s.node_by_id(node_id)
                     if node is not None and node.alive:
                         await self._on_lost(node, "lost")
-                case events.ScaleOut(count=count, timeout_s=timeout_s, seq=seq):
+                case events.ScaleOut(count=count, timeout_s=timeout_s) as event:
                     if timeout_s is not None:
-                        timed_scale_out.begin(s, seq, count, timeout_s, self._now())
-                        self._scale_out_timer(seq, timeout_s)
+                        self.scale_out_waits.begin(event)
                     s.target += count
                     s.ceiling = max(s.ceiling, s.target)
                     s.owed += count
                     s.record(self._now(), "scale out", f"target {s.target} nodes")
                     await self.fleet.reconcile()
-                    self._settle_scale_out()  # (enough ready nodes already: answered now)
+                    self.scale_out_waits.settle()  # (enough nodes ready already)
                 case events.ScaleOutDue(seq=seq):
-                    await self._scale_out_due(seq)
+                    await self.scale_out_waits.due(seq, self.fleet)
                 case events.ScaleIn(count=count, node_ids=node_ids):
                     down = job_planner.scale_in_plan(s, count, node_ids)
                     s.target = s.ceiling = down.target
@@ -592,43 +586,8 @@ class TrainingJob:
         s = self._active_state()
         self._changes += 1
         s.grow_since = job_planner.growth_since(s, self._now())
-        self._settle_scale_out()
+        self.scale_out_waits.settle()
         self._publish()
-
-    def _settle_scale_out(self) -> None:
-        """Answer a timed scale-out whose nodes are all ready."""
-        s = self._active_state()
-        if s.pending_scale_out is not None and timed_scale_out.reached(s):
-            s.record(self._now(), "scaled out", f"{s.pending_scale_out.target} nodes ready")
-            timed_scale_out.answer(s, f"scaled out: {s.pending_scale_out.target} nodes ready")
-
-    def _scale_out_timer(self, seq: int, seconds: float) -> None:
-        """Timed scale-out `seq`'s time is up in `seconds`: queue it as an event."""
-
-        async def due() -> None:
-            await workflow.sleep(seconds, summary=f"scale-out {seq}: nodes in time?")
-            self._active_state().inbox.append(events.ScaleOutDue(seq=seq))
-
-        task = asyncio.create_task(due())
-        self._timed_scale_outs.add(task)
-        task.add_done_callback(self._timed_scale_outs.discard)
-
-    async def _scale_out_due(self, seq: int) -> None:
-        """The nodes did not come in time: the target goes back, idle extras are released."""
-        s = self._active_state()
-        pending = s.pending_scale_out
-        if pending is None or pending.seq != seq:
-            return  # they came in time
-        undo = timed_scale_out.revert(s)
-        s.target, s.ceiling, s.owed = undo.target, undo.ceiling, undo.owed
-        ready = sum(1 for n in s.nodes if n.state == NodeState.READY)
-        why = (
-            f"timed out with {ready} of {pending.target} node(s) ready: "
-            f"target back to {undo.target}"
-        )
-        s.record(self._now(), "scale out timed out", why)
-        timed_scale_out.answer(s, why)
-        await self.fleet.release(undo.surplus, "scale out timed out")
 
     # --- growth and periodic checks ----------------------------------------------------------
 
