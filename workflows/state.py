@@ -184,8 +184,11 @@ class JobState(BaseModel):
 
     def note_stopped(self, result: StopResult) -> None:
         """The generation stopped: the job resumes from its latest checkpoint, and the steps
-        done since are lost."""
+        done since are lost: counted from the step the ranks reached (the runtime's word),
+        not the last one a watch saw, which lags it by up to a report interval."""
         self.running = False
+        if result.step is not None:
+            self.step = max(self.step, result.step)
         if result.checkpoint_step is not None:
             self.checkpoint_step = max(self.checkpoint_step, result.checkpoint_step)
         if self.step > self.checkpoint_step:
