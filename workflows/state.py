@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from spotrain.workflows.checkpoints import CheckpointReport, CheckpointStats, report
 from spotrain.workflows.contract import Lifecycle, PoolGrant, StopResult, WatchResult
+from spotrain.workflows.deadline import DeadlineState
 from spotrain.workflows.events import Event
 from spotrain.workflows.spec import JobSpec
 
@@ -139,6 +140,7 @@ class JobState(BaseModel):
     pool_reports: int = Field(0, description="reports sent to the pool, numbering them")
     checkpoints: CheckpointStats | None = None
     losses: int = Field(0, description="running generations lost without notice")
+    deadline: DeadlineState | None = Field(None, description="the deadline policy's state")
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -307,6 +309,7 @@ class JobState(BaseModel):
             "all_on_demand_cost": round(all_on_demand, 6),
             "savings": round(1 - total / all_on_demand, 6) if all_on_demand else 0.0,
             "checkpoints": self.checkpoint_report(now),
+            "deadline": self.deadline,
         }
 
     def checkpoint_report(self, now: datetime) -> CheckpointReport | None:
@@ -346,6 +349,9 @@ class JobAccounts(BaseModel):
     all_on_demand_cost: float
     savings: float = Field(description="fraction saved versus all on-demand")
     checkpoints: CheckpointReport | None = None
+    deadline: DeadlineState | None = Field(
+        None, description="deadline jobs: the deadline, mode, slack at each check, switches"
+    )
     timeline: list[TimelineEntry]
 
 
