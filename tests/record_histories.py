@@ -22,6 +22,7 @@ RECORDING = [
     "tests/test_pools.py",
     "tests/chaos/test_crash_points.py",
     "tests/chaos/test_faults.py",
+    "tests/test_deadline.py",
 ]
 
 

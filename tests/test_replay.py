@@ -30,6 +30,7 @@ def test_histories_were_recorded() -> None:
         "pool_entity",
         "pool_shrunk_job",
         "pool_preempted_job",
+        "deadline_switch",
     }
     assert required <= scenarios, f"missing {required - scenarios}: tests/record_histories.py"
     assert any(p.stem.endswith("-run2") for p in HISTORIES)  # continue-as-new was replayed
