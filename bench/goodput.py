@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import heapq
 import itertools
+import json
 import logging
 import math
 import sys
@@ -36,7 +37,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from spotrain.activities.simulated import SimJob, SimulatedCloud, SimulatedRuntime
+from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     GenerationPlan,
@@ -48,7 +49,7 @@ from spotrain.workflows.contract import (
 from spotrain.workflows.state import JobResult, JobStatus
 from spotrain.workflows.training_job import TrainingJob
 
-from .common import REPO, Trace, load_traces, publish, time_skipping_server
+from .common import REPO, Trace, load_traces, publish, table, time_skipping_server
 
 Series = list[tuple[float, int]]  # (hours since start, world size) at each change
 INSTANCE_TYPE = "p3.2xlarge"
@@ -63,11 +64,20 @@ COLUMNS = [
     "spot_node_h",
     "on_demand_node_h",
     "steps_lost",
-    "resizes",
+    "resizes_per_reclaim",
+    "pause_s_per_reclaim",
     "deadline_hit",
     "run_s",
-    "stalls",
+    "retries",
 ]
+
+
+WEDGED_AFTER = 3  # sleeps in a row that move server time no more
+RETRIES = 2  # fresh servers a policy's run gets after a wedged one
+
+
+class Wedged(Exception):
+    """The time-skipping test server stopped moving a run (its time or its workflow)."""
 
 
 @dataclass(frozen=True)
@@ -84,9 +94,13 @@ class Setup:
     checkpoint_minutes: float = 30.0
     restart_cost_s: float = 120.0
     notice_s: float = 120.0
+    checkpoint_s: float = field(default_factory=lambda: measured_checkpoint_s())
+    grace_s: float = 60.0  # the job's graceful_shutdown_timeout_s
     spot_price: float = 0.9701
     on_demand_price: float = 3.06
     deadline_h: float | None = None
+    deadline_margin_s: float = 600.0  # the product policy's margin_s
+    run_timeout_s: float = 900.0  # real seconds a spotrain run may take before it counts as wedged
 
     @property
     def tick_s(self) -> float:
@@ -107,6 +121,11 @@ class Setup:
             return 0.0
         return self.steps_per_node_hour * world * self.scaling_efficiency ** math.log2(world)
 
+    def notice_checkpoint_fits(self) -> bool:
+        """The checkpoint on a reclaim notice completes before the node goes: within the
+        grace the workflow gives it (the notice less 5 s, at most `grace_s`)."""
+        return self.checkpoint_s <= min(self.grace_s, self.notice_s - 5)
+
     def capacity(self, zone: str, offset_s: float) -> int:
         return next(t.at(offset_s) for t in self.traces if t.zone == zone)
 
@@ -116,6 +135,16 @@ class Setup:
 
     def on_demand_hours(self) -> float:
         return self.restart_cost_s / 3600 + self.total_steps / self.steps_per_hour(self.max_nodes)
+
+    def deadline_policy(self) -> dict[str, Any]:
+        """The job spec's `deadline` for spotrain's own policy: a switch costs a restart and
+        the notice's grace."""
+        return {
+            "max_duration_s": self.deadline_s(),
+            "margin_s": self.deadline_margin_s,
+            "switch_s": self.restart_cost_s + self.grace_s,
+            "hysteresis_s": 4 * self.tick_s,
+        }
 
     def deadline_s(self) -> float:
         """The deadline: `deadline_h`, else 1.25x the all-on-demand time."""
@@ -130,6 +159,18 @@ class Setup:
             start = end
 
 
+def measured_checkpoint_s() -> float:
+    """The checkpoint on notice's default duration: bench/checkpoint.py's median time to
+    durable of a synchronous save to S3 (what a checkpoint on notice is), from its latest
+    results; 11.2 s, that figure in bench/README.md, without them."""
+    path = REPO / "bench" / "results" / "checkpoint.json"
+    if path.exists():
+        for row in json.loads(path.read_text())["rows"]:
+            if (row["target"], row["mode"]) == ("s3", "sync"):
+                return float(row["durable_median_s"])
+    return 11.2
+
+
 @dataclass
 class Row:
     """One policy's outcome: the table's columns plus its world size over time."""
@@ -141,9 +182,23 @@ class Row:
     on_demand_node_h: float
     steps_lost: int = 0
     resizes: int = 0
+    reclaims: int = 0  # nodes taken by the cloud while the job held them
     run_s: float = 0.0
-    stalls: int = 0
+    retries: int = 0  # runs of this policy abandoned on a wedged test server
     series: Series = field(default_factory=list)
+
+    def pause_h(self, restart_cost_s: float) -> float:
+        """Hours not training between the first start and the end: no generation running,
+        plus each restart's start-up."""
+        starts = [t for t, w in self.series if w > 0]
+        if not starts:
+            return 0.0
+        idle = sum(
+            b[0] - a[0]
+            for a, b in itertools.pairwise([*self.series, (self.wall_h, 0)])
+            if a[1] == 0 and a[0] >= starts[0]
+        )
+        return idle + (len(starts) - 1) * restart_cost_s / 3600
 
     def report(self, setup: Setup, oracle_wall_h: float) -> dict[str, Any]:
         cost = self.spot_node_h * setup.spot_price + self.on_demand_node_h * setup.on_demand_price
@@ -160,9 +215,14 @@ class Row:
             "on_demand_node_h": self.on_demand_node_h,
             "steps_lost": self.steps_lost,
             "resizes": self.resizes,
+            "reclaims": self.reclaims,
+            "resizes_per_reclaim": self.resizes / self.reclaims if self.reclaims else None,
+            "pause_s_per_reclaim": (
+                3600 * self.pause_h(setup.restart_cost_s) / self.reclaims if self.reclaims else None
+            ),
             "deadline_hit": self.wall_h * 3600 <= setup.deadline_s(),
             "run_s": self.run_s,
-            "stalls": self.stalls,
+            "retries": self.retries,
         }
 
 
@@ -183,20 +243,23 @@ def oracle(setup: Setup) -> Row:
         paid += avail * (end - start) / 3600
 
 
-def fixed_restart(setup: Setup) -> Row:
+def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
     """Needs all N nodes; any loss stops everything (work since the last checkpoint is
     lost) until N are back, then it restarts from that checkpoint, as non-elastic managed
-    spot does."""
+    spot does. `on_notice`: it checkpoints on the reclaim notice too (a SIGTERM handler),
+    saving the work when the checkpoint fits in the notice, by the same rule as spotrain."""
     n, every = setup.max_nodes, setup.checkpoint_every
+    saves = on_notice and setup.notice_s > 0 and setup.notice_checkpoint_fits()
     rate = setup.steps_per_hour(n) / 3600
     started: float | None = None
-    start_step, checkpoint, lost, restarts, paid = 0, 0, 0, 0, 0.0
+    start_step, checkpoint, lost, restarts, reclaimed, paid = 0, 0, 0, 0, 0, 0.0
     series: Series = []
     for start, end, avail in setup.segments():
         if started is not None and avail < n:  # a loss: back to the last checkpoint
             step = start_step + math.floor(max(0.0, start - started - setup.restart_cost_s) * rate)
-            checkpoint = max(start_step, step - step % every)
+            checkpoint = step if saves else max(start_step, step - step % every)
             lost += step - checkpoint
+            reclaimed += n - avail
             started = None
             series.append((start / 3600, 0))
         if started is None and avail >= n:
@@ -209,14 +272,16 @@ def fixed_restart(setup: Setup) -> Row:
         if finish <= end:
             paid += n * (finish - start) / 3600
             series.append((finish / 3600, 0))
+            policy = "fixed +notice ckpt" if on_notice else "fixed-restart"
             return Row(
-                "fixed-restart",
+                policy,
                 "model",
                 finish / 3600,
                 paid,
                 0.0,
                 lost,
                 restarts - 1,
+                reclaimed,
                 series=series,
             )
         paid += n * (end - start) / 3600
@@ -239,6 +304,7 @@ class RecordingRuntime(SimulatedRuntime):
             steps_per_hour=setup.steps_per_hour,
             checkpoint_every=setup.checkpoint_every,
             restart_cost_s=setup.restart_cost_s,
+            checkpoint_s=setup.checkpoint_s,
         )
         self.worlds: list[tuple[datetime, int]] = []
 
@@ -274,22 +340,24 @@ class Run:
     runtime: RecordingRuntime
     task_queue: str
     t0: datetime
-    stalls: int = 0
 
     async def elapsed_s(self) -> float:
         return (await self.env.get_current_time() - self.t0).total_seconds()
 
     async def sleep_until(self, offset: float) -> None:
-        """Skip server time to `offset`. The test server sometimes stalls a workflow task
-        ("invalid history builder state for action"); the sleep then times out, the task is
-        retried, and the sleep is retried too (counted in `stalls`)."""
-        while (wait := offset - await self.elapsed_s()) > 0:
+        """Skip server time to `offset`. A sleep the SDK times out (CANCELLED) is retried
+        while server time still moves; the test server wedged on a workflow task ("invalid
+        history builder state for action") moves it no more: that raises `Wedged`."""
+        stuck = 0
+        while (wait := offset - (before := await self.elapsed_s())) > 0:
             try:
                 await self.env.sleep(wait)
             except RPCError as err:
                 if err.status != RPCStatusCode.CANCELLED:  # how the SDK reports its timeout
                     raise
-                self.stalls += 1
+                stuck = stuck + 1 if await self.elapsed_s() <= before else 0
+                if stuck >= WEDGED_AFTER:
+                    raise Wedged(f"server time stuck at {before:.0f} s") from err
 
     async def start(self, spec: dict[str, Any]) -> WorkflowHandle[Any, JobResult]:
         return await self.env.client.start_workflow(
@@ -387,17 +455,20 @@ class Run:
             result.node_hours["on-demand"],
             steps_lost=result.steps_lost,
             resizes=result.resizes,
+            reclaims=result.reclaims,
             run_s=time.monotonic() - began,
-            stalls=self.stalls,
             series=[((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds],
         )
 
 
-def job_spec(setup: Setup, name: str, **on_demand: Any) -> dict[str, Any]:
+def job_spec(
+    setup: Setup, name: str, deadline: dict[str, Any] | None = None, **on_demand: Any
+) -> dict[str, Any]:
     """The benchmark's job; progress and capacity checks at the trace's tick keep the
     workflow's tasks per simulated hour few."""
     tick = setup.tick_s
     return {
+        "deadline": deadline,
         "name": name,
         "command": ["simulated"],
         "total_steps": setup.total_steps,
@@ -405,7 +476,7 @@ def job_spec(setup: Setup, name: str, **on_demand: Any) -> dict[str, Any]:
         "elastic": {
             "min_nodes": setup.min_nodes,
             "max_nodes": setup.max_nodes,
-            "graceful_shutdown_timeout_s": 60,
+            "graceful_shutdown_timeout_s": setup.grace_s,
             "scaling_timeout_s": 60,
             "faulty_scale_down_timeout_s": 120,
             "progress_report_interval_s": tick,
@@ -448,60 +519,47 @@ async def new_run(env: WorkflowEnvironment, setup: Setup) -> AsyncIterator[Run]:
             yield run
 
 
-async def spotrain(env: WorkflowEnvironment, setup: Setup, policy: str, **on_demand: Any) -> Row:
+async def spotrain(
+    env: WorkflowEnvironment,
+    setup: Setup,
+    policy: str,
+    deadline: dict[str, Any] | None = None,
+    **on_demand: Any,
+) -> Row:
     began = time.monotonic()
     async with new_run(env, setup) as run:
-        handle = await run.start(job_spec(setup, f"bench-{uuid.uuid4().hex[:8]}", **on_demand))
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        handle = await run.start(job_spec(setup, name, deadline, **on_demand))
         await run.drive(handle)
         result, wall_h = await run.finish(handle)
     return run.row(policy, wall_h, result, began)
 
 
-async def spotrain_deadline(env: WorkflowEnvironment, setup: Setup) -> Row:
-    """Greedy "Can't Be Late": elastic on spot while on-demand could still finish by the
-    deadline from here; then pause (checkpoint), and finish with an all-on-demand job that
-    resumes from the same checkpoint. The workflow has no deadline policy of its own, so
-    this controller drives it from outside: reclaim notices (a checkpoint), cancel, and a
-    second job on the same checkpoint."""
-    began = time.monotonic()
-    margin = setup.tick_s + 60 + setup.restart_cost_s  # one check late, grace, start-up
-    od_rate = setup.steps_per_hour(setup.max_nodes) / 3600
-    async with new_run(env, setup) as run:
-        name = f"bench-{uuid.uuid4().hex[:8]}"
-        spot = await run.start(job_spec(setup, name))
-
-        async def check(offset: float) -> float | None:
-            status = await spot.query("status", result_type=JobStatus)
-            switch_at = setup.deadline_s() - margin - (setup.total_steps - status.step) / od_rate
-            return None if offset >= switch_at else max(switch_at, offset + setup.tick_s)
-
-        if await run.drive(spot, check):
-            totals, wall_h = await run.finish(spot)
-        else:
-            await run.drain(spot)
-            await spot.cancel()
-            while (await spot.describe()).status == WorkflowExecutionStatus.RUNNING:
-                await asyncio.sleep(0.05)
-            first = await spot.query("status", result_type=JobStatus)
-            resumed = SimJob(checkpoint_step=run.runtime.jobs[name].checkpoint_step)
-            run.runtime.jobs[f"{name}-od"] = resumed  # the same checkpoint location
-            spec = job_spec(setup, f"{name}-od", fallback=True)
-            spec["spot"]["enabled"] = False
-            totals, wall_h = await run.finish(await run.start(spec))
-            totals.node_hours["spot"] = first.cost_so_far / setup.spot_price  # all spot
-            totals.steps_lost += first.steps_lost
-            totals.resizes += first.resizes + 1
-    return run.row("spotrain deadline", wall_h, totals, began)
-
-
 # --- the benchmark ---------------------------------------------------------------------------
 
 
-async def benchmark(setup: Setup, deadline: bool = True) -> list[Row]:
-    """Every policy on the same trace and work: the baselines, then spotrain's runs, each on
-    a fresh time-skipping server (a test-server stall in one run cannot hold up the next)."""
-    rows = [oracle(setup), all_on_demand(setup), fixed_restart(setup)]
-    runs: list[tuple[str, Callable[[WorkflowEnvironment], Awaitable[Row]]]] = [
+RunFn = Callable[[WorkflowEnvironment], Awaitable[Row]]
+
+
+async def on_fresh_server(setup: Setup, policy: str, run: RunFn) -> Row:
+    """One policy's run on its own time-skipping server; a run the server wedges (or that
+    passes `run_timeout_s`) is abandoned and retried on a fresh server, up to RETRIES times
+    (counted in the row's `retries`)."""
+    for retry in range(RETRIES + 1):
+        try:
+            async with time_skipping_server() as env:
+                row = await asyncio.wait_for(run(env), setup.run_timeout_s)
+        except (Wedged, TimeoutError) as err:
+            print(f"{policy}: wedged ({err or 'timed out'}), retrying", file=sys.stderr)
+            continue
+        row.retries = retry
+        print(f"{policy}: {row.run_s:.0f} s", file=sys.stderr, flush=True)
+        return row
+    raise RuntimeError(f"{policy}: the test server wedged {RETRIES + 1} times in a row")
+
+
+def spotrain_runs(setup: Setup, deadline: bool) -> list[tuple[str, RunFn]]:
+    runs: list[tuple[str, RunFn]] = [
         ("spotrain elastic", lambda env: spotrain(env, setup, "spotrain elastic")),
         (
             "spotrain +fallback",
@@ -513,11 +571,23 @@ async def benchmark(setup: Setup, deadline: bool = True) -> list[Row]:
         ),
     ]
     if deadline:
-        runs.append(("spotrain deadline", lambda env: spotrain_deadline(env, setup)))
-    for policy, run in runs:
-        async with time_skipping_server() as env:
-            rows.append(await run(env))
-        print(f"{policy}: {rows[-1].run_s:.0f} s", file=sys.stderr, flush=True)
+        from .deadline_sweep import deadline_runs  # (it builds on this module)
+
+        runs += deadline_runs(setup)
+    return runs
+
+
+async def benchmark(setup: Setup, deadline: bool = True) -> list[Row]:
+    """Every policy on the same trace and work: the baselines, then spotrain's runs, each on
+    a fresh time-skipping server (a test-server wedge in one run cannot hold up the next)."""
+    rows = [
+        oracle(setup),
+        all_on_demand(setup),
+        fixed_restart(setup),
+        fixed_restart(setup, on_notice=True),
+    ]
+    for policy, run in spotrain_runs(setup, deadline):
+        rows.append(await on_fresh_server(setup, policy, run))
     return rows
 
 
@@ -572,9 +642,13 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         "checkpoint_minutes",
         "restart_cost_s",
         "notice_s",
+        "checkpoint_s",
+        "grace_s",
         "spot_price",
         "on_demand_price",
         "deadline_h",
+        "deadline_margin_s",
+        "run_timeout_s",
     ):
         default = getattr(defaults, name)
         p.add_argument(
@@ -582,7 +656,13 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
             type=float if name not in ("max_nodes", "min_nodes", "base_nodes") else int,
             default=default,
         )
-    p.add_argument("--no-deadline", action="store_true", help="skip the deadline policy")
+    p.add_argument("--no-deadline", action="store_true", help="skip the deadline policies")
+    p.add_argument(
+        "--deadline-factors",
+        default="",
+        metavar="F,F,...",
+        help="also sweep deadlines at these multiples of the all-on-demand time",
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     fields = {k: v for k, v in vars(args).items() if hasattr(defaults, k)}
@@ -594,6 +674,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("temporalio").setLevel(logging.ERROR)  # capacity errors are expected
     began = time.monotonic()
     rows = asyncio.run(benchmark(setup, deadline=not args.no_deadline))
+    sweep = None
+    if args.deadline_factors:
+        from .deadline_sweep import sweep as deadline_sweep  # (it builds on this module)
+
+        factors = [float(f) for f in args.deadline_factors.split(",")]
+        sweep = asyncio.run(deadline_sweep(setup, factors))
     oracle_h = rows[0].wall_h
     report = {
         "setup": {k: v for k, v in vars(setup).items() if k != "traces"}
@@ -603,9 +689,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "total_steps": setup.total_steps,
         },
         "rows": [r.report(setup, oracle_h) for r in rows],
+        "deadline_sweep": sweep,
         "bench_s": time.monotonic() - began,
     }
     publish(report, report["rows"], COLUMNS, args.out / "goodput.json")
+    if sweep is not None:
+        from .deadline_sweep import SWEEP_COLUMNS
+
+        print()
+        print(table(sweep["rows"], SWEEP_COLUMNS))
     plot(setup, rows, args.out / "goodput_world_size.png")
     return report
 

@@ -81,9 +81,12 @@ def test_goodput_benchmark_runs_the_real_workflow(
         "spotrain +fallback",
         "spotrain +od-base",
         "spotrain deadline",
+        "greedy controller",
+        "fixed +notice ckpt",
     }
     assert rows["on-demand"]["cost_vs_on_demand"] == pytest.approx(1.0)
     assert rows["fixed-restart"]["steps_lost"] > 0  # the drop at 1 h 20 min hits it
+    assert rows["fixed +notice ckpt"]["steps_lost"] == 0  # its checkpoint on notice fits
     elastic = rows["spotrain elastic"]
     assert elastic["engine"] == "workflow"
     assert elastic["steps_lost"] == 0  # every loss came with a notice: checkpointed

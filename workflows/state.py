@@ -309,7 +309,8 @@ class JobState(BaseModel):
             "all_on_demand_cost": round(all_on_demand, 6),
             "savings": round(1 - total / all_on_demand, 6) if all_on_demand else 0.0,
             "checkpoints": self.checkpoint_report(now),
-            "deadline": self.deadline,
+            # (as data: the workflow sandbox may hold its own copy of the model's class)
+            "deadline": self.deadline.model_dump() if self.deadline else None,
         }
 
     def checkpoint_report(self, now: datetime) -> CheckpointReport | None:
