@@ -56,6 +56,11 @@ def test_baseline_models_match_hand_computation(tmp_path: Path) -> None:
     lossy = goodput.fixed_restart(goodput.replace(setup, checkpoint_minutes=45))  # every 150
     # 400 steps, checkpoint at 300: 100 lost, redone after the gap (0.5 h more).
     assert lossy.steps_lost == 100 and lossy.wall_h == pytest.approx(4.5)
+    # Checkpointing on the 120 s notice saves those 100 steps, if the checkpoint fits in it.
+    saved = goodput.fixed_restart(goodput.replace(setup, checkpoint_minutes=45), on_notice=True)
+    assert saved.steps_lost == 0 and saved.wall_h == pytest.approx(4.0)
+    slow = goodput.replace(setup, checkpoint_minutes=45, checkpoint_s=61)  # over its 60 s grace
+    assert goodput.fixed_restart(slow, on_notice=True).steps_lost == 100
     on_demand = goodput.all_on_demand(setup)
     assert on_demand.wall_h == pytest.approx(3.0) and on_demand.on_demand_node_h == 6
 
