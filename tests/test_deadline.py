@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workers.report import Report
 from spotrain.workflows import deadline
 from spotrain.workflows.spec import DeadlinePolicy, SpecError, parse_spec
 
@@ -157,3 +158,6 @@ async def test_job_moves_to_on_demand_when_spot_cannot_make_the_deadline(
     ]
     assert result.node_hours["on-demand"] > 4 * 1.4  # the rest of the work on 4 nodes
     assert result.node_hours["spot"] == pytest.approx(4.0, abs=0.1)
+    shown = Report.from_result(result).model_dump_json()  # `spotrain report` renders this
+    assert deadline.describe(result.deadline).endswith(f"to on-demand: {switch.reason}")
+    assert switch.reason in shown and "slack_s" in shown

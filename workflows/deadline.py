@@ -157,3 +157,18 @@ def apply(d: DeadlineState, decision: Decision, now: datetime) -> DeadlineState:
 def on_demand(d: DeadlineState | None) -> bool:
     """The policy has moved the job to on-demand: new nodes are bought on-demand."""
     return d is not None and d.mode == "on-demand"
+
+
+def describe(d: DeadlineState) -> str:
+    """One paragraph for `spotrain status` and `report`: the deadline, the mode, the slack
+    now and over the checks kept, and each switch with its reason."""
+    slacks = [x.slack_s for x in d.samples if x.slack_s is not None]
+    text = f"deadline {d.due:%Y-%m-%d %H:%M:%S %Z}: on {d.mode}"
+    if slacks:
+        text += (
+            f", slack now {slacks[-1]:.0f} s (over {len(slacks)} checks: min "
+            f"{min(slacks):.0f} s, max {max(slacks):.0f} s)"
+        )
+    else:
+        text += ", no progress rate measured yet"
+    return "\n".join([text] + [f"  {s.time:%H:%M:%S} to {s.to}: {s.reason}" for s in d.switches])

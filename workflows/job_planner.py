@@ -260,7 +260,7 @@ def swap_back(state: JobState) -> tuple[list[NodeRecord], int]:
         for n in state.nodes
         if n.state == NodeState.READY and n.fallback and n.slot not in state.members
     ]
-    if not spare or not state.spec.on_demand.return_to_spot:
+    if not spare or not state.spec.on_demand.return_to_spot or deadline.on_demand(state.deadline):
         return [], state.target
     return spare, max(state.spec.elastic.min_nodes, state.target - len(spare))
 
