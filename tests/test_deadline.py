@@ -4,6 +4,7 @@ refusals, and the real workflow switching to on-demand in time on the time-skipp
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,8 +15,10 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.report import Report
-from spotrain.workflows import deadline
+from spotrain.workflows import deadline, job_planner
+from spotrain.workflows.contract import Offer
 from spotrain.workflows.spec import DeadlinePolicy, SpecError, parse_spec
+from spotrain.workflows.state import JobState, NodeRecord, NodeState
 
 from .jobs import job_spec, record_history, simulated
 
@@ -161,3 +164,35 @@ async def test_job_moves_to_on_demand_when_spot_cannot_make_the_deadline(
     shown = Report.from_result(result).model_dump_json()  # `spotrain report` renders this
     assert deadline.describe(result.deadline).endswith(f"to on-demand: {switch.reason}")
     assert switch.reason in shown and "slack_s" in shown
+
+
+def test_on_demand_mode_buys_on_demand_and_keeps_it() -> None:
+    """In on-demand mode the job planner orders on-demand although spot is offered and the
+    spec has no fallback, looks for no spot at capacity checks, and releases no on-demand
+    node as "back to spot"; in spot mode all three behave as before."""
+    s = JobState.new(parse_spec(job_spec(on_demand={"fallback": False})))
+    s.deadline = deadline.DeadlineState(due=T0, mode="on-demand")
+    offered = [Offer(instance_type="p3.2xlarge", zone="us-east-1a", price=0.9)]
+    plan = job_planner.spot_orders(s, offered, 2, Counter(), spot_only=False)
+    assert [(o.lifecycle, o.fallback) for o in plan.orders] == [("on-demand", True)] * 2
+    assert job_planner.capacity_check(s, launching=False) == job_planner.CapacityCheck(False, 0)
+    s.members, s.running = [0], True
+    s.nodes = [
+        NodeRecord(
+            slot=i,
+            lifecycle=lc,
+            instance_type="p3.2xlarge",
+            fallback=lc == "on-demand",
+            state=NodeState.READY,
+            price=1.0,
+            on_demand_price=3.06,
+        )
+        for i, lc in enumerate(["spot", "on-demand"])
+    ]
+    assert job_planner.swap_back(s) == ([], s.target)
+    s.deadline = s.deadline.model_copy(update={"mode": "spot"})
+    assert [n.slot for n in job_planner.swap_back(s)[0]] == [1]
+    assert (
+        job_planner.spot_orders(s, offered, 1, Counter(), spot_only=False).orders[0].lifecycle
+        == "spot"
+    )
