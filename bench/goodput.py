@@ -1,5 +1,6 @@
 """Goodput and cost on real spot capacity traces: spotrain's real TrainingJob workflow versus
-a fixed-size restart baseline, all on-demand, and the oracle, on the same trace and work.
+fixed-size restart baselines (with and without a checkpoint on the notice), all on-demand,
+and the oracle, on the same trace and work.
 
     .venv/bin/python -m bench.goodput [--trace [ZONE=]PATH ...] [--work-node-hours 1000] ...
 
@@ -8,7 +9,8 @@ simulated cloud (capacity = the trace) and runtime (the progress model) of
 `activities/simulated.py`. When a zone's capacity falls, the benchmark plays the cloud: it
 signals `reclaim` with a `--notice-s` deadline (0: `node_lost` at once, no notice) and takes
 the node when the notice runs out. Growth is the workflow's own (its capacity checks). The
-baselines are small pure-Python models over the same trace and progress model.
+baselines are small pure-Python models over the same trace and progress model
+(`goodput_model.py`); the deadline policies and their sweep are in `deadline_sweep.py`.
 """
 
 from __future__ import annotations
