@@ -79,6 +79,7 @@ async def greedy_controller(env: WorkflowEnvironment, setup: Setup) -> Row:
             totals.node_hours["spot"] = first.cost_so_far / setup.spot_price  # all spot
             totals.steps_lost += first.steps_lost
             totals.resizes += first.resizes + 1
+            totals.reclaims += first.reclaims
     return run.row("greedy controller", wall_h, totals, began)
 
 

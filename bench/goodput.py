@@ -226,10 +226,15 @@ class Run:
             await asyncio.sleep(0.05)
 
     async def finish(self, handle: WorkflowHandle[Any, JobResult]) -> tuple[JobResult, float]:
-        """The job's result and its wall time in hours of server time."""
+        """The job's result and its wall time in hours of server time. A job that closed
+        long after its work completed sat on a wedged workflow task while the benchmark
+        skipped time: `Wedged` (its wall time would be the server's, not the job's)."""
         result = await handle.result()
         desc = await handle.describe()
         assert desc.close_time is not None
+        done = max((e.time for e in result.timeline if e.event == "completed"), default=None)
+        if done is not None and (desc.close_time - done).total_seconds() > 2 * self.setup.tick_s:
+            raise Wedged(f"closed {desc.close_time - done} after completing")
         return result, (desc.close_time - self.t0).total_seconds() / 3600
 
     def row(self, policy: str, wall_h: float, result: JobResult, began: float) -> Row:
