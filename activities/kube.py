@@ -307,7 +307,10 @@ class KubeRuntime:
             time.monotonic() + grace + 30,
         )
         return StopResult(
-            acked_ranks=acked, checkpoint_step=checkpoint_step, forced=bool(expected - set(acked))
+            acked_ranks=acked,
+            checkpoint_step=checkpoint_step,
+            forced=bool(expected - set(acked)),
+            step=(store.progress(req.generation) or {}).get("step"),
         )
 
     @activity.defn(name=contract.WATCH_GENERATION)

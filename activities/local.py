@@ -272,7 +272,13 @@ class LocalRuntime:
         self._kill(survivors)
         forced = forced or bool(survivors)
         acked, checkpoint_step = store.ended(req.generation)
-        return StopResult(acked_ranks=acked, checkpoint_step=checkpoint_step, forced=forced)
+        progress = store.progress(req.generation)
+        return StopResult(
+            acked_ranks=acked,
+            checkpoint_step=checkpoint_step,
+            forced=forced,
+            step=progress["step"] if progress else None,
+        )
 
     @activity.defn(name=contract.WATCH_GENERATION)
     def watch_generation(self, req: WatchRequest) -> WatchResult:

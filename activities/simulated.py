@@ -8,7 +8,9 @@ goodput benchmark, where capacity follows a recorded spot trace.
 The training model: a generation of world size W makes `steps_per_hour(W)` progress after a
 `restart_cost_s` start-up; a checkpoint is taken every `checkpoint_every` steps, and on an
 elastic event (graceful stop) at the current step; a hard stop loses what came after the last
-checkpoint.
+checkpoint. The checkpoint on an elastic event takes `checkpoint_s`: one that does not fit in
+the stop's grace fails (the stop is forced, the job resumes from the last periodic one), and
+the next generation starts loading only once it is written.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -192,6 +194,7 @@ class SimJob:
     checkpoint_step: int = 0
     done: bool = False
     generations: dict[int, SimGeneration] = field(default_factory=dict)
+    written_at: datetime | None = None  # when the last checkpoint on an elastic event is durable
     history: list[tuple[int, int, int, int]] = field(default_factory=list)  # gen, world, from, to
 
 
@@ -203,10 +206,12 @@ class SimulatedRuntime:
         steps_per_hour: Callable[[int], float] = lambda world: 3600.0 * world,
         checkpoint_every: int = 100,
         restart_cost_s: float = 60.0,
+        checkpoint_s: float = 0.0,
     ) -> None:
         self.steps_per_hour = steps_per_hour
         self.checkpoint_every = checkpoint_every
         self.restart_cost_s = restart_cost_s
+        self.checkpoint_s = checkpoint_s
         self.jobs: dict[str, SimJob] = {}
         self._lock = threading.Lock()
 
@@ -230,8 +235,9 @@ class SimulatedRuntime:
         with self._lock:
             job = self._job(plan.job)
             if plan.generation not in job.generations:  # idempotent
+                start = max(_now(), job.written_at or _now())  # the checkpoint it loads
                 job.generations[plan.generation] = SimGeneration(
-                    plan=plan, started_at=_now(), start_step=job.checkpoint_step
+                    plan=plan, started_at=start, start_step=job.checkpoint_step
                 )
 
     @activity.defn(name=contract.STOP_GENERATION)
@@ -242,14 +248,21 @@ class SimulatedRuntime:
             if gen is None or gen.stopped:
                 return StopResult(acked_ranks=[], checkpoint_step=job.checkpoint_step)
             step = self._step(gen, _now())
-            acks = req.graceful and gen.failure is None and gen.stalled_at is None
+            acks = (
+                req.graceful
+                and gen.failure is None
+                and gen.stalled_at is None
+                and self.checkpoint_s <= req.grace_s
+            )
             reached = step if acks else self._periodic_checkpoint(gen, step)
+            if acks:
+                job.written_at = _now() + timedelta(seconds=self.checkpoint_s)
             job.checkpoint_step = max(job.checkpoint_step, reached)
             job.history.append((req.generation, gen.plan.world_size, gen.start_step, step))
             gen.stopped = True
             ranks = list(range(gen.plan.world_size)) if acks else []
             return StopResult(
-                acked_ranks=ranks, checkpoint_step=job.checkpoint_step, forced=not acks
+                acked_ranks=ranks, checkpoint_step=job.checkpoint_step, forced=not acks, step=step
             )
 
     @activity.defn(name=contract.WATCH_GENERATION)

@@ -1,5 +1,6 @@
 """Goodput and cost on real spot capacity traces: spotrain's real TrainingJob workflow versus
-a fixed-size restart baseline, all on-demand, and the oracle, on the same trace and work.
+fixed-size restart baselines (with and without a checkpoint on the notice), all on-demand,
+and the oracle, on the same trace and work.
 
     .venv/bin/python -m bench.goodput [--trace [ZONE=]PATH ...] [--work-node-hours 1000] ...
 
@@ -8,7 +9,8 @@ simulated cloud (capacity = the trace) and runtime (the progress model) of
 `activities/simulated.py`. When a zone's capacity falls, the benchmark plays the cloud: it
 signals `reclaim` with a `--notice-s` deadline (0: `node_lost` at once, no notice) and takes
 the node when the notice runs out. Growth is the workflow's own (its capacity checks). The
-baselines are small pure-Python models over the same trace and progress model.
+baselines are small pure-Python models over the same trace and progress model
+(`goodput_model.py`); the deadline policies and their sweep are in `deadline_sweep.py`.
 """
 
 from __future__ import annotations
@@ -18,11 +20,10 @@ import asyncio
 import heapq
 import itertools
 import logging
-import math
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -35,7 +36,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.simulated import SimJob, SimulatedCloud, SimulatedRuntime
+from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -47,9 +48,9 @@ from spotrain.workflows.contract import (
 )
 from spotrain.workflows.state import JobResult, JobStatus
 
-from .common import REPO, Trace, load_traces, publish, time_skipping_server
+from .common import REPO, load_traces, publish, table, time_skipping_server
+from .goodput_model import Row, Setup, all_on_demand, fixed_restart, oracle
 
-Series = list[tuple[float, int]]  # (hours since start, world size) at each change
 INSTANCE_TYPE = "p3.2xlarge"
 COLUMNS = [
     "policy",
@@ -62,182 +63,21 @@ COLUMNS = [
     "spot_node_h",
     "on_demand_node_h",
     "steps_lost",
-    "resizes",
-    "reclaims",
     "swapped",
     "resizes_per_reclaim",
-    "pause_per_reclaim_s",
+    "pause_s_per_reclaim",
     "deadline_hit",
     "run_s",
-    "stalls",
+    "retries",
 ]
 
 
-@dataclass(frozen=True)
-class Setup:
-    """One benchmark: the trace, the job (size, work, progress model) and the prices."""
-
-    traces: list[Trace]
-    max_nodes: int = 16
-    min_nodes: int = 1
-    base_nodes: int = 4
-    work_node_hours: float = 400.0  # about 3 min of benchmark here; 1000: about 8 min
-    steps_per_node_hour: float = 3600.0
-    scaling_efficiency: float = 1.0
-    checkpoint_minutes: float = 30.0
-    restart_cost_s: float = 120.0
-    notice_s: float = 120.0
-    rebalance_lead_s: float = 0.0  # a rebalance recommendation this long before each reclaim
-    max_surge_nodes: int = 1  # make-before-break rows: the overlap may exceed max_nodes by this
-    spot_price: float = 0.9701
-    on_demand_price: float = 3.06
-    deadline_h: float | None = None
-
-    @property
-    def tick_s(self) -> float:
-        return min(t.gap_s for t in self.traces)
-
-    @property
-    def total_steps(self) -> int:
-        return round(self.work_node_hours * self.steps_per_node_hour)
-
-    @property
-    def checkpoint_every(self) -> int:
-        """Steps between periodic checkpoints: `checkpoint_minutes` at the full size."""
-        return max(1, round(self.steps_per_hour(self.max_nodes) * self.checkpoint_minutes / 60))
-
-    def steps_per_hour(self, world: int) -> float:
-        """Each doubling of the world runs at `scaling_efficiency` of ideal."""
-        if world <= 0:
-            return 0.0
-        return self.steps_per_node_hour * world * self.scaling_efficiency ** math.log2(world)
-
-    def capacity(self, zone: str, offset_s: float) -> int:
-        return next(t.at(offset_s) for t in self.traces if t.zone == zone)
-
-    def available(self, offset_s: float) -> int:
-        """Spot nodes a job of at most `max_nodes` could hold, over all zones."""
-        return min(self.max_nodes, sum(t.at(offset_s) for t in self.traces))
-
-    def on_demand_hours(self) -> float:
-        return self.restart_cost_s / 3600 + self.total_steps / self.steps_per_hour(self.max_nodes)
-
-    def deadline_s(self) -> float:
-        """The deadline: `deadline_h`, else 1.25x the all-on-demand time."""
-        return 3600 * (self.deadline_h or 1.25 * self.on_demand_hours())
-
-    def segments(self) -> Iterator[tuple[float, float, int]]:
-        """(start s, end s, nodes available) between consecutive tick boundaries, endless."""
-        start = 0.0
-        while True:
-            end = min((start // t.gap_s + 1) * t.gap_s for t in self.traces)
-            yield start, end, self.available(start)
-            start = end
+WEDGED_AFTER = 3  # sleeps in a row that move server time no more
+RETRIES = 2  # fresh servers a policy's run gets after a wedged one
 
 
-@dataclass
-class Row:
-    """One policy's outcome: the table's columns plus its world size over time."""
-
-    policy: str
-    engine: str
-    wall_h: float
-    spot_node_h: float
-    on_demand_node_h: float
-    steps_lost: int = 0
-    resizes: int = 0
-    reclaims: int = 0  # nodes the trace took from the job (warned, noticed or lost)
-    swapped: int = 0
-    pause_s: float = 0.0  # training paused: stopped, or starting up
-    run_s: float = 0.0
-    stalls: int = 0
-    series: Series = field(default_factory=list)
-
-    def report(self, setup: Setup, oracle_wall_h: float) -> dict[str, Any]:
-        cost = self.spot_node_h * setup.spot_price + self.on_demand_node_h * setup.on_demand_price
-        od = setup.on_demand_hours() * setup.max_nodes * setup.on_demand_price
-        return {
-            "policy": self.policy,
-            "engine": self.engine,
-            "wall_h": self.wall_h,
-            "wall_vs_oracle": self.wall_h / oracle_wall_h,
-            "cost": cost,
-            "cost_vs_on_demand": cost / od,
-            "goodput": setup.work_node_hours / (self.spot_node_h + self.on_demand_node_h),
-            "spot_node_h": self.spot_node_h,
-            "on_demand_node_h": self.on_demand_node_h,
-            "steps_lost": self.steps_lost,
-            "resizes": self.resizes,
-            "reclaims": self.reclaims,
-            "swapped": self.swapped,
-            "resizes_per_reclaim": self.resizes / self.reclaims if self.reclaims else None,
-            "pause_per_reclaim_s": self.pause_s / self.reclaims if self.reclaims else None,
-            "deadline_hit": self.wall_h * 3600 <= setup.deadline_s(),
-            "run_s": self.run_s,
-            "stalls": self.stalls,
-        }
-
-
-# --- baselines: pure-Python models over the same trace and progress model -------------------
-
-
-def oracle(setup: Setup) -> Row:
-    """Every node-hour the trace offers, no restart cost, no loss: no policy does better."""
-    steps, paid, series = 0.0, 0.0, []
-    for start, end, avail in setup.segments():
-        series.append((start / 3600, avail))
-        rate = setup.steps_per_hour(avail) / 3600
-        if rate and steps + rate * (end - start) >= setup.total_steps:
-            finish = start + (setup.total_steps - steps) / rate
-            paid += avail * (finish - start) / 3600
-            return Row("oracle", "model", finish / 3600, paid, 0.0, series=series)
-        steps += rate * (end - start)
-        paid += avail * (end - start) / 3600
-
-
-def fixed_restart(setup: Setup) -> Row:
-    """Needs all N nodes; any loss stops everything (work since the last checkpoint is
-    lost) until N are back, then it restarts from that checkpoint, as non-elastic managed
-    spot does."""
-    n, every = setup.max_nodes, setup.checkpoint_every
-    rate = setup.steps_per_hour(n) / 3600
-    started: float | None = None
-    start_step, checkpoint, lost, restarts, paid = 0, 0, 0, 0, 0.0
-    series: Series = []
-    for start, end, avail in setup.segments():
-        if started is not None and avail < n:  # a loss: back to the last checkpoint
-            step = start_step + math.floor(max(0.0, start - started - setup.restart_cost_s) * rate)
-            checkpoint = max(start_step, step - step % every)
-            lost += step - checkpoint
-            started = None
-            series.append((start / 3600, 0))
-        if started is None and avail >= n:
-            started, start_step = start, checkpoint
-            restarts += 1
-            series.append((start / 3600, n))
-        if started is None:
-            continue
-        finish = started + setup.restart_cost_s + (setup.total_steps - start_step) / rate
-        if finish <= end:
-            paid += n * (finish - start) / 3600
-            series.append((finish / 3600, 0))
-            return Row(
-                "fixed-restart",
-                "model",
-                finish / 3600,
-                paid,
-                0.0,
-                lost,
-                restarts - 1,
-                series=series,
-            )
-        paid += n * (end - start) / 3600
-
-
-def all_on_demand(setup: Setup) -> Row:
-    hours = setup.on_demand_hours()
-    series = [(0.0, setup.max_nodes), (hours, 0)]
-    return Row("on-demand", "model", hours, 0.0, setup.max_nodes * hours, series=series)
+class Wedged(Exception):
+    """The time-skipping test server stopped moving a run (its time or its workflow)."""
 
 
 # --- spotrain: the real workflow on the time-skipping server ---------------------------------
@@ -251,6 +91,7 @@ class RecordingRuntime(SimulatedRuntime):
             steps_per_hour=setup.steps_per_hour,
             checkpoint_every=setup.checkpoint_every,
             restart_cost_s=setup.restart_cost_s,
+            checkpoint_s=setup.checkpoint_s,
         )
         self.worlds: list[tuple[datetime, int]] = []
 
@@ -286,24 +127,25 @@ class Run:
     runtime: RecordingRuntime
     task_queue: str
     t0: datetime
-    stalls: int = 0
     warned: set[str] = field(default_factory=set)  # sent a rebalance recommendation
-    hit: set[str] = field(default_factory=set)  # taken by the trace: warned, noticed or lost
 
     async def elapsed_s(self) -> float:
         return (await self.env.get_current_time() - self.t0).total_seconds()
 
     async def sleep_until(self, offset: float) -> None:
-        """Skip server time to `offset`. The test server sometimes stalls a workflow task
-        ("invalid history builder state for action"); the sleep then times out, the task is
-        retried, and the sleep is retried too (counted in `stalls`)."""
-        while (wait := offset - await self.elapsed_s()) > 0:
+        """Skip server time to `offset`. A sleep the SDK times out (CANCELLED) is retried
+        while server time still moves; the test server wedged on a workflow task ("invalid
+        history builder state for action") moves it no more: that raises `Wedged`."""
+        stuck = 0
+        while (wait := offset - (before := await self.elapsed_s())) > 0:
             try:
                 await self.env.sleep(wait)
             except RPCError as err:
                 if err.status != RPCStatusCode.CANCELLED:  # how the SDK reports its timeout
                     raise
-                self.stalls += 1
+                stuck = stuck + 1 if await self.elapsed_s() <= before else 0
+                if stuck >= WEDGED_AFTER:
+                    raise Wedged(f"server time stuck at {before:.0f} s") from err
 
     async def start(self, spec: dict[str, Any]) -> WorkflowHandle[Any, JobResult]:
         return await self.env.client.start_workflow(
@@ -333,13 +175,11 @@ class Run:
             if kind == "warn":  # the nodes the drop will take, warned `lead` ahead
                 for node_id in self._victims(what, offset + lead, reclaiming | self.warned):
                     self.warned.add(node_id)
-                    self.hit.add(node_id)
                     notice = {"node_id": node_id, "kind": "rebalance"}
                     await handle.signal("reclaim", notice | {"event_id": f"w-{node_id}"})
             elif kind == "drop":
                 for node_id in self._victims(what, offset, reclaiming):
                     reclaiming.add(node_id)
-                    self.hit.add(node_id)
                     if self.setup.notice_s > 0:
                         deadline = await self.env.get_current_time() + timedelta(
                             seconds=self.setup.notice_s
@@ -397,25 +237,16 @@ class Run:
             await asyncio.sleep(0.05)
 
     async def finish(self, handle: WorkflowHandle[Any, JobResult]) -> tuple[JobResult, float]:
-        """The job's result and its wall time in hours of server time."""
+        """The job's result and its wall time in hours of server time. A job that closed
+        long after its work completed sat on a wedged workflow task while the benchmark
+        skipped time: `Wedged` (its wall time would be the server's, not the job's)."""
         result = await handle.result()
         desc = await handle.describe()
         assert desc.close_time is not None
+        done = max((e.time for e in result.timeline if e.event == "completed"), default=None)
+        if done is not None and (desc.close_time - done).total_seconds() > 2 * self.setup.tick_s:
+            raise Wedged(f"closed {desc.close_time - done} after completing")
         return result, (desc.close_time - self.t0).total_seconds() / 3600
-
-    def paused_s(self) -> float:
-        """Seconds training stood still between its first start and its end: stopped for a
-        resize, then starting up again (`restart_cost_s`) at every later start."""
-        worlds = sorted(self.runtime.worlds)
-        starts = [t for t, w in worlds if w > 0]
-        if not starts:
-            return 0.0
-        stopped = sum(
-            (nxt - t).total_seconds()
-            for (t, w), (nxt, _) in itertools.pairwise(worlds)
-            if w == 0 and t >= starts[0]
-        )
-        return stopped + self.setup.restart_cost_s * (len(starts) - 1)
 
     def row(self, policy: str, wall_h: float, result: JobResult, began: float) -> Row:
         """The policy's outcome; `began`: time.monotonic() when the run began."""
@@ -427,11 +258,9 @@ class Run:
             result.node_hours["on-demand"],
             steps_lost=result.steps_lost,
             resizes=result.resizes,
-            reclaims=len(self.hit),
+            reclaims=result.reclaims,
             swapped=result.swapped,
-            pause_s=self.paused_s(),
             run_s=time.monotonic() - began,
-            stalls=self.stalls,
             series=[((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds],
         )
 
@@ -439,13 +268,20 @@ class Run:
 MAKE_BEFORE_BREAK = {"early_warning": "make_before_break", "reclaim_notice": "make_before_break"}
 
 
-def job_spec(setup: Setup, name: str, mbb: bool = False, **on_demand: Any) -> dict[str, Any]:
+def job_spec(
+    setup: Setup,
+    name: str,
+    deadline: dict[str, Any] | None = None,
+    mbb: bool = False,
+    **on_demand: Any,
+) -> dict[str, Any]:
     """The benchmark's job; progress and capacity checks at the trace's tick keep the
     workflow's tasks per simulated hour few. `mbb`: make-before-break on warnings and notices
     (else the defaults: a warning is ignored, a notice shrinks)."""
     tick = setup.tick_s
     policy = MAKE_BEFORE_BREAK | {"max_surge_nodes": setup.max_surge_nodes} if mbb else {}
     return {
+        "deadline": deadline,
         "name": name,
         "command": ["simulated"],
         "total_steps": setup.total_steps,
@@ -453,7 +289,7 @@ def job_spec(setup: Setup, name: str, mbb: bool = False, **on_demand: Any) -> di
         "elastic": {
             "min_nodes": setup.min_nodes,
             "max_nodes": setup.max_nodes,
-            "graceful_shutdown_timeout_s": 60,
+            "graceful_shutdown_timeout_s": setup.grace_s,
             "scaling_timeout_s": 60,
             "faulty_scale_down_timeout_s": 120,
             "progress_report_interval_s": tick,
@@ -497,90 +333,81 @@ async def new_run(env: WorkflowEnvironment, setup: Setup) -> AsyncIterator[Run]:
 
 
 async def spotrain(
-    env: WorkflowEnvironment, setup: Setup, policy: str, mbb: bool = False, **on_demand: Any
+    env: WorkflowEnvironment,
+    setup: Setup,
+    policy: str,
+    deadline: dict[str, Any] | None = None,
+    mbb: bool = False,
+    **on_demand: Any,
 ) -> Row:
     began = time.monotonic()
     async with new_run(env, setup) as run:
         name = f"bench-{uuid.uuid4().hex[:8]}"
-        handle = await run.start(job_spec(setup, name, mbb, **on_demand))
+        handle = await run.start(job_spec(setup, name, deadline, mbb, **on_demand))
         await run.drive(handle)
         result, wall_h = await run.finish(handle)
     return run.row(policy, wall_h, result, began)
 
 
-async def spotrain_deadline(env: WorkflowEnvironment, setup: Setup) -> Row:
-    """Greedy "Can't Be Late": elastic on spot while on-demand could still finish by the
-    deadline from here; then pause (checkpoint), and finish with an all-on-demand job that
-    resumes from the same checkpoint. The workflow has no deadline policy of its own, so
-    this controller drives it from outside: reclaim notices (a checkpoint), cancel, and a
-    second job on the same checkpoint."""
-    began = time.monotonic()
-    margin = setup.tick_s + 60 + setup.restart_cost_s  # one check late, grace, start-up
-    od_rate = setup.steps_per_hour(setup.max_nodes) / 3600
-    async with new_run(env, setup) as run:
-        name = f"bench-{uuid.uuid4().hex[:8]}"
-        spot = await run.start(job_spec(setup, name))
-
-        async def check(offset: float) -> float | None:
-            status = await spot.query("status", result_type=JobStatus)
-            switch_at = setup.deadline_s() - margin - (setup.total_steps - status.step) / od_rate
-            return None if offset >= switch_at else max(switch_at, offset + setup.tick_s)
-
-        if await run.drive(spot, check):
-            totals, wall_h = await run.finish(spot)
-        else:
-            await run.drain(spot)
-            await spot.cancel()
-            while (await spot.describe()).status == WorkflowExecutionStatus.RUNNING:
-                await asyncio.sleep(0.05)
-            first = await spot.query("status", result_type=JobStatus)
-            resumed = SimJob(checkpoint_step=run.runtime.jobs[name].checkpoint_step)
-            run.runtime.jobs[f"{name}-od"] = resumed  # the same checkpoint location
-            spec = job_spec(setup, f"{name}-od", fallback=True)
-            spec["spot"]["enabled"] = False
-            totals, wall_h = await run.finish(await run.start(spec))
-            totals.node_hours["spot"] = first.cost_so_far / setup.spot_price  # all spot
-            totals.steps_lost += first.steps_lost
-            totals.resizes += first.resizes + 1
-    return run.row("spotrain deadline", wall_h, totals, began)
-
-
 # --- the benchmark ---------------------------------------------------------------------------
 
 
-def spotrain_runs(
-    setup: Setup, mbb: bool
-) -> list[tuple[str, Callable[[WorkflowEnvironment], Awaitable[Row]]]]:
-    """spotrain's policies, each followed by its make-before-break twin (`mbb`)."""
+RunFn = Callable[[WorkflowEnvironment], Awaitable[Row]]
+
+
+async def on_fresh_server(setup: Setup, policy: str, run: RunFn) -> Row:
+    """One policy's run on its own time-skipping server; a run the server wedges (or that
+    passes `run_timeout_s`) is abandoned and retried on a fresh server, up to RETRIES times
+    (counted in the row's `retries`)."""
+    for retry in range(RETRIES + 1):
+        try:
+            async with time_skipping_server() as env:
+                row = await asyncio.wait_for(run(env), setup.run_timeout_s)
+        except (Wedged, TimeoutError) as err:
+            print(f"{policy}: wedged ({err or 'timed out'}), retrying", file=sys.stderr)
+            continue
+        row.retries = retry
+        print(f"{policy}: {row.run_s:.0f} s", file=sys.stderr, flush=True)
+        return row
+    raise RuntimeError(f"{policy}: the test server wedged {RETRIES + 1} times in a row")
+
+
+def spotrain_runs(setup: Setup, deadline: bool, mbb: bool = True) -> list[tuple[str, RunFn]]:
+    """spotrain's policies, each followed by its make-before-break twin (`mbb`), then the
+    deadline policies."""
     policies: list[tuple[str, dict[str, Any]]] = [
         ("spotrain elastic", {}),
         ("spotrain +fallback", {"fallback": True}),
         ("spotrain +od-base", {"base_nodes": setup.base_nodes}),
     ]
-    return [
+    runs: list[tuple[str, RunFn]] = [
         (
             name + (" +mbb" if twin else ""),
             lambda env, name=name, twin=twin, opts=opts: spotrain(
-                env, setup, name + (" +mbb" if twin else ""), twin, **opts
+                env, setup, name + (" +mbb" if twin else ""), None, twin, **opts
             ),
         )
         for name, opts in policies
         for twin in ([False, True] if mbb else [False])
     ]
+    if deadline:
+        from .deadline_sweep import deadline_runs  # (it builds on this module)
+
+        runs += deadline_runs(setup)
+    return runs
 
 
 async def benchmark(setup: Setup, deadline: bool = True, mbb: bool = True) -> list[Row]:
-    """Every policy on the same trace and work: the baselines, then spotrain's runs (with
-    and without make-before-break, side by side), each on a fresh time-skipping server (a
-    test-server stall in one run cannot hold up the next)."""
-    rows = [oracle(setup), all_on_demand(setup), fixed_restart(setup)]
-    runs = spotrain_runs(setup, mbb)
-    if deadline:
-        runs.append(("spotrain deadline", lambda env: spotrain_deadline(env, setup)))
-    for policy, run in runs:
-        async with time_skipping_server() as env:
-            rows.append(await run(env))
-        print(f"{policy}: {rows[-1].run_s:.0f} s", file=sys.stderr, flush=True)
+    """Every policy on the same trace and work: the baselines, then spotrain's runs, each on
+    a fresh time-skipping server (a test-server wedge in one run cannot hold up the next)."""
+    rows = [
+        oracle(setup),
+        all_on_demand(setup),
+        fixed_restart(setup),
+        fixed_restart(setup, on_notice=True),
+    ]
+    for policy, run in spotrain_runs(setup, deadline, mbb):
+        rows.append(await on_fresh_server(setup, policy, run))
     return rows
 
 
@@ -635,20 +462,30 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         "checkpoint_minutes",
         "restart_cost_s",
         "notice_s",
+        "checkpoint_s",
+        "grace_s",
         "rebalance_lead_s",
         "max_surge_nodes",
         "spot_price",
         "on_demand_price",
         "deadline_h",
+        "deadline_margin_s",
+        "run_timeout_s",
     ):
         default = getattr(defaults, name)
         p.add_argument(
             f"--{name.replace('_', '-')}",
-            type=float if default is None else type(default),
+            type=int if isinstance(default, int) else float,
             default=default,
         )
-    p.add_argument("--no-deadline", action="store_true", help="skip the deadline policy")
+    p.add_argument("--no-deadline", action="store_true", help="skip the deadline policies")
     p.add_argument("--no-mbb", action="store_true", help="skip the make-before-break rows")
+    p.add_argument(
+        "--deadline-factors",
+        default="",
+        metavar="F,F,...",
+        help="also sweep deadlines at these multiples of the all-on-demand time",
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     fields = {k: v for k, v in vars(args).items() if hasattr(defaults, k)}
@@ -660,6 +497,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("temporalio").setLevel(logging.ERROR)  # capacity errors are expected
     began = time.monotonic()
     rows = asyncio.run(benchmark(setup, deadline=not args.no_deadline, mbb=not args.no_mbb))
+    sweep = None
+    if args.deadline_factors:
+        from .deadline_sweep import sweep as deadline_sweep  # (it builds on this module)
+
+        factors = [float(f) for f in args.deadline_factors.split(",")]
+        sweep = asyncio.run(deadline_sweep(setup, factors))
     oracle_h = rows[0].wall_h
     report = {
         "setup": {k: v for k, v in vars(setup).items() if k != "traces"}
@@ -669,9 +512,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "total_steps": setup.total_steps,
         },
         "rows": [r.report(setup, oracle_h) for r in rows],
+        "deadline_sweep": sweep,
         "bench_s": time.monotonic() - began,
     }
     publish(report, report["rows"], COLUMNS, args.out / "goodput.json")
+    if sweep is not None:
+        from .deadline_sweep import SWEEP_COLUMNS
+
+        print()
+        print(table(sweep["rows"], SWEEP_COLUMNS))
     plot(setup, rows, args.out / "goodput_world_size.png")
     return report
 

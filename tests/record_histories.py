@@ -24,6 +24,7 @@ RECORDING = [
     "tests/chaos/test_crash_points.py",
     "tests/chaos/test_faults.py",
     "tests/test_cannot_start.py",
+    "tests/test_deadline.py",
 ]
 
 

@@ -5,9 +5,11 @@ against hand-computed answers, since the spotrain rows are judged against them."
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from temporalio.service import RPCError, RPCStatusCode
 
 from bench import checkpoint, goodput, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
@@ -15,6 +17,7 @@ from bench.common import SHARED_TRACES, Trace, summary
 # Two zones of 4 nodes at 300 s ticks: all, then a drop, a gap, and back.
 TICKS_A = [4, 4, 4, 4, 2, 0, 0, 0, 4, 4, 4, 4] * 4
 TICKS_B = [4, 4, 4, 4, 4, 4, 0, 0, 0, 4, 4, 4] * 4
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def write_trace(path: Path, data: list[int], gap: int = 300) -> str:
@@ -56,6 +59,11 @@ def test_baseline_models_match_hand_computation(tmp_path: Path) -> None:
     lossy = goodput.fixed_restart(goodput.replace(setup, checkpoint_minutes=45))  # every 150
     # 400 steps, checkpoint at 300: 100 lost, redone after the gap (0.5 h more).
     assert lossy.steps_lost == 100 and lossy.wall_h == pytest.approx(4.5)
+    # Checkpointing on the 120 s notice saves those 100 steps, if the checkpoint fits in it.
+    saved = goodput.fixed_restart(goodput.replace(setup, checkpoint_minutes=45), on_notice=True)
+    assert saved.steps_lost == 0 and saved.wall_h == pytest.approx(4.0)
+    slow = goodput.replace(setup, checkpoint_minutes=45, checkpoint_s=61)  # over its 60 s grace
+    assert goodput.fixed_restart(slow, on_notice=True).steps_lost == 100
     on_demand = goodput.all_on_demand(setup)
     assert on_demand.wall_h == pytest.approx(3.0) and on_demand.on_demand_node_h == 6
 
@@ -84,9 +92,12 @@ def test_goodput_benchmark_runs_the_real_workflow(
         "spotrain +fallback +mbb",
         "spotrain +od-base +mbb",
         "spotrain deadline",
+        "greedy controller",
+        "fixed +notice ckpt",
     }
     assert rows["on-demand"]["cost_vs_on_demand"] == pytest.approx(1.0)
     assert rows["fixed-restart"]["steps_lost"] > 0  # the drop at 1 h 20 min hits it
+    assert rows["fixed +notice ckpt"]["steps_lost"] == 0  # its checkpoint on notice fits
     elastic = rows["spotrain elastic"]
     assert elastic["engine"] == "workflow"
     assert elastic["steps_lost"] == 0  # every loss came with a notice: checkpointed
@@ -144,3 +155,31 @@ def test_checkpoint_benchmark_sync_and_async_to_files_and_s3(tmp_path: Path) -> 
     assert set(rows) == {(t, m) for t in ("file", "s3") for m in ("sync", "async")}
     assert all(r["durable_median_s"] > 0 and r["blocked_median_s"] > 0 for r in rows.values())
     assert json.loads((tmp_path / "checkpoint.json").read_text())["setup"]["mb"] == 4
+
+
+async def test_a_wedged_run_is_detected_and_retried_on_a_fresh_server(tmp_path: Path) -> None:
+    """A run whose server time stops moving raises Wedged (the env here is a stand-in whose
+    skips time out, as the wedged test server's do); the policy's run then gets a fresh real
+    time-skipping server, and the row counts the retry."""
+
+    class StuckEnv:
+        async def get_current_time(self) -> datetime:
+            return T0
+
+        async def sleep(self, _: float) -> None:
+            raise RPCError("timeout", RPCStatusCode.CANCELLED, b"")
+
+    setup = goodput.Setup(traces=[Trace.load(write_trace(tmp_path / "a.json", TICKS_A))])
+    stuck = goodput.Run(StuckEnv(), setup, None, None, "q", T0)  # type: ignore[arg-type]
+    with pytest.raises(goodput.Wedged):
+        await stuck.sleep_until(600)
+    servers: list[object] = []
+
+    async def wedged_once(env: object) -> goodput.Row:
+        servers.append(env)
+        if len(servers) == 1:
+            raise goodput.Wedged("server time stuck")
+        return goodput.Row("p", "workflow", 1.0, 1.0, 0.0)
+
+    row = await goodput.on_fresh_server(setup, "p", wedged_once)
+    assert row.retries == 1 and len(servers) == 2 and servers[0] is not servers[1]

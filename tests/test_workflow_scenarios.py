@@ -8,6 +8,7 @@ cross continue-as-new boundaries with state carried over."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -93,6 +94,31 @@ async def test_node_lost_restarts_from_checkpoint_on_a_replacement(
     assert result.reclaims == 1
     assert result.steps_done == 600
     assert sim.cloud.running() == []
+
+
+def redone(history: list[tuple[int, int, int, int]]) -> int:
+    """Steps the simulated ranks really did twice: each generation's end beyond where the next
+    one resumed (history rows: generation, world size, from step, to step)."""
+    return sum(max(0, a[3] - b[2]) for a, b in itertools.pairwise(history))
+
+
+async def test_steps_lost_count_what_the_ranks_redo(dev_env: WorkflowEnvironment) -> None:
+    """A loss between two progress reports: the job counts the steps since the checkpoint
+    that the ranks had reached, not the fewer its last watch saw (reports 3 s apart here)."""
+    runtime = fast_runtime(checkpoint_every=10**6)  # no periodic checkpoint: all is redone
+    async with simulated(dev_env.client, runtime=runtime) as sim:
+        spec = fast_spec(elastic={"progress_report_interval_s": 3, "stall_timeout_s": 30})
+        handle = await sim.start(spec)
+        seen = await until(sim, handle, lambda s: running_at(4)(s) and s.step > 0)
+        await asyncio.sleep(1.5)  # the ranks move on; the job's last watch stays behind
+        victim = members(seen)[0]
+        sim.cloud.reclaim(victim)
+        await handle.signal("node_lost", {"node_id": victim, "event_id": "lost-1"})
+        result = await handle.result()
+    history = sim.runtime.jobs[handle.id].history
+    assert redone(history) > seen.step  # the ranks went on past what the job had seen
+    assert result.steps_lost == redone(history)
+    assert result.steps_done == 600
 
 
 async def test_replacement_falls_back_to_on_demand_then_returns_to_spot(

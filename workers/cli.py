@@ -45,7 +45,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.connect import TASK_QUEUE, Unreachable, connect
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
-from spotrain.workflows import attributes
+from spotrain.workflows import attributes, deadline
 from spotrain.workflows.checkpoints import describe
 from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut
 from spotrain.workflows.pool import POOL_ID_PREFIX, PoolConfig, PoolStatus, pool_workflow_id
@@ -172,6 +172,8 @@ def status_view(s: JobStatus) -> Group:
     )
     if s.checkpoints:
         head += "\n" + describe(s.checkpoints)
+    if s.deadline:
+        head += "\n" + deadline.describe(s.deadline)
     nodes = Table("rank", "node", "lifecycle", "type", "zone", "state", "$/h", "reason")
     for n in sorted(s.nodes, key=lambda n: (n.rank is None, n.rank or 0, n.slot)):
         nodes.add_row(

@@ -16,7 +16,9 @@ from pydantic import BaseModel
 from rich.console import Console, Group
 from rich.table import Table
 
+from spotrain.workflows import deadline
 from spotrain.workflows.checkpoints import CheckpointReport, describe
+from spotrain.workflows.deadline import DeadlineState
 from spotrain.workflows.state import JobAccounts, JobResult, JobStatus, Phase, TimelineEntry
 
 LIFECYCLES = ("spot", "on-demand")
@@ -58,6 +60,7 @@ class Report(BaseModel):
     node_hours: dict[str, float] | None
     cost: Cost
     checkpoints: CheckpointReport | None = None
+    deadline: DeadlineState | None = None
     timeline: list[TimelineEntry]
 
     @classmethod
@@ -80,6 +83,7 @@ class Report(BaseModel):
                 savings=a.savings,
             ),
             checkpoints=a.checkpoints,
+            deadline=a.deadline,
             timeline=a.timeline,
             **progress,
         )
@@ -113,6 +117,8 @@ def tables(report: Report) -> Group:
     )
     if report.checkpoints:
         summary += "\n" + describe(report.checkpoints)
+    if report.deadline:
+        summary += "\n" + deadline.describe(report.deadline)
     timeline = Table("time", "gen", "world", "event", "detail", title="timeline")
     for e in report.timeline:
         timeline.add_row(

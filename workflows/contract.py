@@ -229,6 +229,11 @@ class StopResult(Message):
     acked_ranks: list[int]
     checkpoint_step: int | None = Field(None, description="latest complete checkpoint")
     forced: bool = Field(False, description="some rank had to be killed")
+    step: int | None = Field(
+        None,
+        description="the step the ranks had reached when they stopped (what they redo "
+        "from the checkpoint), if the runtime knows it",
+    )
 
 
 class WatchRequest(Message):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
-from spotrain.workflows import make_before_break, planner
+from spotrain.workflows import deadline, make_before_break, planner
 from spotrain.workflows.contract import (
     GenerationPlan,
     Lifecycle,
@@ -153,11 +153,12 @@ def spot_orders(
     procs = [n.procs for n in state.nodes if n.alive]
     room = on_demand_room(state)
     owed = state.owed
-    pools = [(o.instance_type, o.zone) for o in offers]
+    deadline_od = deadline.on_demand(state.deadline)  # the deadline policy buys on-demand
+    pools = [] if deadline_od else [(o.instance_type, o.zone) for o in offers]
     orders: list[Order] = []
     for i in range(short):
         share, p = need(state.spec, procs)
-        od_ok = not spot_only and owed > 0 and room > 0
+        od_ok = not spot_only and (deadline_od or (owed > 0 and room > 0))
         ranked = planner.spot_pools(pools, gpus, share, held)
         if ranked:
             held[ranked[0]] += 1
@@ -260,7 +261,7 @@ def swap_back(state: JobState) -> tuple[list[NodeRecord], int]:
         for n in state.nodes
         if n.state == NodeState.READY and n.fallback and n.slot not in state.members
     ]
-    if not spare or not state.spec.on_demand.return_to_spot:
+    if not spare or not state.spec.on_demand.return_to_spot or deadline.on_demand(state.deadline):
         return [], state.target
     return spare, max(state.spec.elastic.min_nodes, state.target - len(spare))
 
@@ -466,6 +467,8 @@ def capacity_check(state: JobState, *, launching: bool) -> CapacityCheck | None:
     spec = state.spec
     if state.phase == Phase.PAUSED or not spec.spot.enabled:
         return None
+    if deadline.on_demand(state.deadline):  # no spot wanted: reconcile on-demand only
+        return CapacityCheck(grow=False, swap=0)
     fallbacks = sum(1 for n in state.nodes if n.alive and n.fallback)
     spare_spot = any(
         n.state == NodeState.READY and n.lifecycle == "spot" and n.slot not in state.members

@@ -8,6 +8,7 @@ that name the offending field. The same JSON object is the `TrainingJob` workflo
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -176,6 +177,36 @@ class ElasticPolicy(Strict):
         return "shrink" if self.act_on_rebalance else "ignore"
 
 
+class DeadlinePolicy(Strict):
+    """Finish by a time: spot while an on-demand finish stays safely possible, else on-demand
+    (the policy and its figures: `workflows/deadline.py`)."""
+
+    at: datetime | None = Field(None, description="finish by this time (ISO 8601, with zone)")
+    max_duration_s: PositiveSeconds | None = Field(
+        None, description="finish within this many seconds of submission"
+    )
+    margin_s: NonNegativeSeconds = Field(
+        1800, description="slack kept in hand: below it, the job moves to on-demand"
+    )
+    hysteresis_s: NonNegativeSeconds = Field(
+        3600, description="slack beyond the margin needed to go back to spot"
+    )
+    switch_s: NonNegativeSeconds = Field(
+        600, description="how long a move to on-demand takes to train again (launch, load)"
+    )
+    steps_per_hour: float | None = Field(
+        None, gt=0, description="expected rate at max_nodes, until the job has measured one"
+    )
+
+    @model_validator(mode="after")
+    def _one_deadline(self) -> DeadlinePolicy:
+        if (self.at is None) == (self.max_duration_s is None):
+            raise ValueError("give exactly one of at (a time) or max_duration_s")
+        if self.at is not None and self.at.tzinfo is None:
+            raise ValueError(f"at {self.at.isoformat()} needs a time zone, e.g. 'Z' or '+00:00'")
+        return self
+
+
 class PoolMembership(Strict):
     """A shared capacity pool the job draws its nodes from (its quota, queue and budgets)."""
 
@@ -218,6 +249,7 @@ class JobSpec(Strict):
     cleanup: Literal["always", "keep_failed", "never"] = "keep_failed"
     priority: int = Field(0, description="higher runs first when capacity is short")
     pool: PoolMembership | None = Field(None, description="None: unconstrained by any pool")
+    deadline: DeadlinePolicy | None = Field(None, description="None: no deadline, spot first")
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

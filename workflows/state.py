@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from spotrain.workflows.checkpoints import CheckpointReport, CheckpointStats, report
 from spotrain.workflows.contract import Lifecycle, PoolGrant, StopResult, WatchResult
+from spotrain.workflows.deadline import DeadlineState
 from spotrain.workflows.events import Event
 from spotrain.workflows.spec import JobSpec
 
@@ -167,6 +168,7 @@ class JobState(BaseModel):
     scale_out_answer: tuple[int, str] | None = Field(
         None, description="the last timed scale-out's outcome, by number"
     )
+    deadline: DeadlineState | None = Field(None, description="the deadline policy's state")
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -212,8 +214,11 @@ class JobState(BaseModel):
 
     def note_stopped(self, result: StopResult) -> None:
         """The generation stopped: the job resumes from its latest checkpoint, and the steps
-        done since are lost."""
+        done since are lost: counted from the step the ranks reached (the runtime's word),
+        not the last one a watch saw, which lags it by up to a report interval."""
         self.running = False
+        if result.step is not None:
+            self.step = max(self.step, result.step)
         if result.checkpoint_step is not None:
             self.checkpoint_step = max(self.checkpoint_step, result.checkpoint_step)
         if self.step > self.checkpoint_step:
@@ -333,6 +338,8 @@ class JobState(BaseModel):
             "all_on_demand_cost": round(all_on_demand, 6),
             "savings": round(1 - total / all_on_demand, 6) if all_on_demand else 0.0,
             "checkpoints": self.checkpoint_report(now),
+            # (as data: the workflow sandbox may hold its own copy of the model's class)
+            "deadline": self.deadline.model_dump() if self.deadline else None,
         }
 
     def checkpoint_report(self, now: datetime) -> CheckpointReport | None:
@@ -373,6 +380,9 @@ class JobAccounts(BaseModel):
     all_on_demand_cost: float
     savings: float = Field(description="fraction saved versus all on-demand")
     checkpoints: CheckpointReport | None = None
+    deadline: DeadlineState | None = Field(
+        None, description="deadline jobs: the deadline, mode, slack at each check, switches"
+    )
     timeline: list[TimelineEntry]
 
 

@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows import (
         attributes,
         calls,
+        deadline_hooks,
         events,
         job_planner,
         start_failure,
@@ -320,6 +321,7 @@ class TrainingJob:
         for notice in w.notices:  # found by ranks themselves: queued like the webhook's
             self.reclaim(notice)
         s.note_progress(w, self._now())
+        deadline_hooks.observe(s, self._now())
         if w.checkpoints is not None:
             self._on_checkpoints(w.checkpoints)
         verdict, detail = job_planner.watch_verdict(s, w, self._now())
@@ -603,6 +605,8 @@ class TrainingJob:
         for info in await self.fleet.describe([n for n in s.nodes if n.state == NodeState.READY]):
             if info.state == "gone":
                 s.inbox.append(events.Lost(node_id=info.node_id))
+        if s.spec.deadline is not None and workflow.patched("deadline-policy"):
+            deadline_hooks.check(s, self._now())
         check = job_planner.capacity_check(s, launching=bool(self.fleet.launches))
         if check is None:
             return

@@ -1,0 +1,233 @@
+"""The goodput benchmark's setup (trace, job, progress model, prices), its result rows, and
+the baselines: small pure-Python models over the same trace, progress model, restart cost and
+lost-work rule as spotrain's runs (bench/goodput.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .common import REPO, Trace
+
+Series = list[tuple[float, int]]  # (hours since start, world size) at each change
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One benchmark: the trace, the job (size, work, progress model) and the prices."""
+
+    traces: list[Trace]
+    max_nodes: int = 16
+    min_nodes: int = 1
+    base_nodes: int = 4
+    work_node_hours: float = 400.0  # about 3 min of benchmark here; 1000: about 8 min
+    steps_per_node_hour: float = 3600.0
+    scaling_efficiency: float = 1.0
+    checkpoint_minutes: float = 30.0
+    restart_cost_s: float = 120.0
+    notice_s: float = 120.0
+    checkpoint_s: float = field(default_factory=lambda: measured_checkpoint_s())
+    grace_s: float = 60.0  # the job's graceful_shutdown_timeout_s
+    rebalance_lead_s: float = 0.0  # a rebalance recommendation this long before each reclaim
+    max_surge_nodes: int = 1  # make-before-break rows: the overlap may exceed max_nodes by this
+    spot_price: float = 0.9701
+    on_demand_price: float = 3.06
+    deadline_h: float | None = None
+    deadline_margin_s: float = 600.0  # the product policy's margin_s
+    run_timeout_s: float = 900.0  # real seconds a spotrain run may take before it counts as wedged
+
+    @property
+    def tick_s(self) -> float:
+        return min(t.gap_s for t in self.traces)
+
+    @property
+    def total_steps(self) -> int:
+        return round(self.work_node_hours * self.steps_per_node_hour)
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Steps between periodic checkpoints: `checkpoint_minutes` at the full size."""
+        return max(1, round(self.steps_per_hour(self.max_nodes) * self.checkpoint_minutes / 60))
+
+    def steps_per_hour(self, world: int) -> float:
+        """Each doubling of the world runs at `scaling_efficiency` of ideal."""
+        if world <= 0:
+            return 0.0
+        return self.steps_per_node_hour * world * self.scaling_efficiency ** math.log2(world)
+
+    def notice_checkpoint_fits(self) -> bool:
+        """The checkpoint on a reclaim notice completes before the node goes: within the
+        grace the workflow gives it (the notice less 5 s, at most `grace_s`)."""
+        return self.checkpoint_s <= min(self.grace_s, self.notice_s - 5)
+
+    def capacity(self, zone: str, offset_s: float) -> int:
+        return next(t.at(offset_s) for t in self.traces if t.zone == zone)
+
+    def available(self, offset_s: float) -> int:
+        """Spot nodes a job of at most `max_nodes` could hold, over all zones."""
+        return min(self.max_nodes, sum(t.at(offset_s) for t in self.traces))
+
+    def on_demand_hours(self) -> float:
+        return self.restart_cost_s / 3600 + self.total_steps / self.steps_per_hour(self.max_nodes)
+
+    def deadline_policy(self) -> dict[str, Any]:
+        """The job spec's `deadline` for spotrain's own policy: a switch costs a restart and
+        the notice's grace."""
+        return {
+            "max_duration_s": self.deadline_s(),
+            "margin_s": self.deadline_margin_s,
+            "switch_s": self.restart_cost_s + self.grace_s,
+            "hysteresis_s": 4 * self.tick_s,
+        }
+
+    def deadline_s(self) -> float:
+        """The deadline: `deadline_h`, else 1.25x the all-on-demand time."""
+        return 3600 * (self.deadline_h or 1.25 * self.on_demand_hours())
+
+    def segments(self) -> Iterator[tuple[float, float, int]]:
+        """(start s, end s, nodes available) between consecutive tick boundaries, endless."""
+        start = 0.0
+        while True:
+            end = min((start // t.gap_s + 1) * t.gap_s for t in self.traces)
+            yield start, end, self.available(start)
+            start = end
+
+
+def measured_checkpoint_s() -> float:
+    """The checkpoint on notice's default duration: bench/checkpoint.py's median time to
+    durable of a synchronous save to S3 (what a checkpoint on notice is), from its latest
+    results; 11.2 s, that figure in bench/README.md, without them."""
+    path = REPO / "bench" / "results" / "checkpoint.json"
+    if path.exists():
+        for row in json.loads(path.read_text())["rows"]:
+            if (row["target"], row["mode"]) == ("s3", "sync"):
+                return float(row["durable_median_s"])
+    return 11.2
+
+
+@dataclass
+class Row:
+    """One policy's outcome: the table's columns plus its world size over time."""
+
+    policy: str
+    engine: str
+    wall_h: float
+    spot_node_h: float
+    on_demand_node_h: float
+    steps_lost: int = 0
+    resizes: int = 0
+    reclaims: int = 0  # nodes taken by the cloud while the job held them
+    swapped: int = 0  # warned nodes replaced make-before-break (one resize each)
+    run_s: float = 0.0
+    retries: int = 0  # runs of this policy abandoned on a wedged test server
+    series: Series = field(default_factory=list)
+
+    def pause_h(self, restart_cost_s: float) -> float:
+        """Hours not training between the first start and the end: no generation running,
+        plus each restart's start-up."""
+        starts = [t for t, w in self.series if w > 0]
+        if not starts:
+            return 0.0
+        idle = sum(
+            b[0] - a[0]
+            for a, b in itertools.pairwise([*self.series, (self.wall_h, 0)])
+            if a[1] == 0 and a[0] >= starts[0]
+        )
+        return idle + (len(starts) - 1) * restart_cost_s / 3600
+
+    def report(self, setup: Setup, oracle_wall_h: float) -> dict[str, Any]:
+        cost = self.spot_node_h * setup.spot_price + self.on_demand_node_h * setup.on_demand_price
+        od = setup.on_demand_hours() * setup.max_nodes * setup.on_demand_price
+        return {
+            "policy": self.policy,
+            "engine": self.engine,
+            "wall_h": self.wall_h,
+            "wall_vs_oracle": self.wall_h / oracle_wall_h,
+            "cost": cost,
+            "cost_vs_on_demand": cost / od,
+            "goodput": setup.work_node_hours / (self.spot_node_h + self.on_demand_node_h),
+            "spot_node_h": self.spot_node_h,
+            "on_demand_node_h": self.on_demand_node_h,
+            "steps_lost": self.steps_lost,
+            "resizes": self.resizes,
+            "reclaims": self.reclaims,
+            "swapped": self.swapped,
+            "resizes_per_reclaim": self.resizes / self.reclaims if self.reclaims else None,
+            "pause_s_per_reclaim": (
+                3600 * self.pause_h(setup.restart_cost_s) / self.reclaims if self.reclaims else None
+            ),
+            "deadline_hit": self.wall_h * 3600 <= setup.deadline_s(),
+            "run_s": self.run_s,
+            "retries": self.retries,
+        }
+
+
+# --- baselines: pure-Python models over the same trace and progress model -------------------
+
+
+def oracle(setup: Setup) -> Row:
+    """Every node-hour the trace offers, no restart cost, no loss: no policy does better."""
+    steps, paid, series = 0.0, 0.0, []
+    for start, end, avail in setup.segments():
+        series.append((start / 3600, avail))
+        rate = setup.steps_per_hour(avail) / 3600
+        if rate and steps + rate * (end - start) >= setup.total_steps:
+            finish = start + (setup.total_steps - steps) / rate
+            paid += avail * (finish - start) / 3600
+            return Row("oracle", "model", finish / 3600, paid, 0.0, series=series)
+        steps += rate * (end - start)
+        paid += avail * (end - start) / 3600
+
+
+def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
+    """Needs all N nodes; any loss stops everything (work since the last checkpoint is
+    lost) until N are back, then it restarts from that checkpoint, as non-elastic managed
+    spot does. `on_notice`: it checkpoints on the reclaim notice too (a SIGTERM handler),
+    saving the work when the checkpoint fits in the notice, by the same rule as spotrain."""
+    n, every = setup.max_nodes, setup.checkpoint_every
+    saves = on_notice and setup.notice_s > 0 and setup.notice_checkpoint_fits()
+    rate = setup.steps_per_hour(n) / 3600
+    started: float | None = None
+    start_step, checkpoint, lost, restarts, reclaimed, paid = 0, 0, 0, 0, 0, 0.0
+    series: Series = []
+    for start, end, avail in setup.segments():
+        if started is not None and avail < n:  # a loss: back to the last checkpoint
+            step = start_step + math.floor(max(0.0, start - started - setup.restart_cost_s) * rate)
+            checkpoint = step if saves else max(start_step, step - step % every)
+            lost += step - checkpoint
+            reclaimed += n - avail
+            started = None
+            series.append((start / 3600, 0))
+        if started is None and avail >= n:
+            started, start_step = start, checkpoint
+            restarts += 1
+            series.append((start / 3600, n))
+        if started is None:
+            continue
+        finish = started + setup.restart_cost_s + (setup.total_steps - start_step) / rate
+        if finish <= end:
+            paid += n * (finish - start) / 3600
+            series.append((finish / 3600, 0))
+            policy = "fixed +notice ckpt" if on_notice else "fixed-restart"
+            return Row(
+                policy,
+                "model",
+                finish / 3600,
+                paid,
+                0.0,
+                lost,
+                restarts - 1,
+                reclaimed,
+                series=series,
+            )
+        paid += n * (end - start) / 3600
+
+
+def all_on_demand(setup: Setup) -> Row:
+    hours = setup.on_demand_hours()
+    series = [(0.0, setup.max_nodes), (hours, 0)]
+    return Row("on-demand", "model", hours, 0.0, setup.max_nodes * hours, series=series)
