@@ -98,6 +98,10 @@ class Swap(BaseModel):
     since: datetime
 
 
+class JobFailed(Exception):
+    """The job cannot go on (max restarts, no way to get nodes); the message says why."""
+
+
 class TimelineEntry(BaseModel):
     time: datetime
     generation: int

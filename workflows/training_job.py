@@ -47,11 +47,12 @@ with workflow.unsafe.imports_passed_through():
     )
     from spotrain.workflows.fleet import Fleet, unless_cancelled
     from spotrain.workflows.history import history_is_long
-    from spotrain.workflows.pool import pool_workflow_id
+    from spotrain.workflows.pool_member import PoolMember
     from spotrain.workflows.ranks import Ranks
     from spotrain.workflows.scale_out_waits import ScaleOutWaits
     from spotrain.workflows.spec import SpecError, parse_spec
     from spotrain.workflows.state import (
+        JobFailed,
         JobResult,
         JobState,
         JobStatus,
@@ -70,10 +71,6 @@ JOB_FAILED = "JobFailed"
 SHORTEST_WAIT_S = 0.1
 
 
-class JobFailed(Exception):
-    """The job cannot go on (max restarts, no way to get nodes); the message says why."""
-
-
 @workflow.defn(name="TrainingJob")
 class TrainingJob:
     @workflow.init
@@ -87,7 +84,6 @@ class TrainingJob:
                 self.invalid = str(err)
         self._changes = 0
         self._published: tuple[Any, ...] | None = None
-        self._reported: dict[str, Any] | None = None
         if self.s is not None:
             self.scale_out_waits = ScaleOutWaits(self.s, self._now)
 
@@ -102,6 +98,9 @@ class TrainingJob:
         s = self.s
         self.fleet = Fleet(s, self._on_nodes_changed)
         self.ranks = Ranks(s, self._set_phase)
+        self.pool = PoolMember(
+            s, self.fleet, self._set_phase, self._release_everything, self._remove
+        )
         self.swapper = Swapper(
             s,
             self.fleet,
@@ -233,7 +232,7 @@ class TrainingJob:
             if self.fleet.fatal:
                 raise JobFailed(self.fleet.fatal)
             await self._handle_inbox()
-            await self._report_to_pool()
+            await self.pool.report()
             if s.phase in (Phase.PAUSED, Phase.QUEUED):
                 await workflow.wait_condition(lambda: bool(s.inbox))
                 continue
@@ -440,7 +439,7 @@ class TrainingJob:
                 case events.Resume() if s.phase == Phase.PAUSED:
                     await self._on_resume()
                 case events.Grant(grant=grant) if s.phase != Phase.PAUSED:
-                    await self._on_grant(grant)
+                    await self.pool.on_grant(grant)
 
     async def _on_reclaim(self, event: events.Reclaim) -> None:
         """A notice with time left: checkpoint, shrink onto the survivors, replace per policy."""
@@ -526,64 +525,6 @@ class TrainingJob:
             s.grant = None
             self._set_phase(Phase.QUEUED)
 
-    # --- capacity pool -----------------------------------------------------------------------
-
-    async def _on_grant(self, grant: PoolGrant) -> None:
-        """Apply the pool's grant: fail if it can never fit, pause whole below the min, shrink
-        gracefully, or order more (`job_planner.grant_plan` says which)."""
-        s = self._active_state()
-        pool = s.spec.pool.name if s.spec.pool else ""
-        if grant.refused:
-            raise JobFailed(f"capacity pool {pool!r} cannot run this job: {grant.refused}")
-        plan = job_planner.grant_plan(s, grant)
-        s.grant, s.target = grant, plan.target
-        if plan.preempt:
-            if any(n.alive for n in s.nodes):
-                s.record(self._now(), "preempted", f"by pool {pool}: queued until it has room")
-                await self._release_everything(
-                    "preempted", f"pool {pool} needs the nodes", "preempted by the pool"
-                )
-            self._set_phase(Phase.QUEUED)
-            return
-        if plan.admit:
-            s.record(self._now(), "admitted", f"by pool {pool}: {grant.nodes} node(s)")
-            s.owed = plan.owed
-            self._set_phase(Phase.PENDING)
-        if plan.victims:
-            s.record(
-                self._now(),
-                "pool shrinks the job",
-                f"to {grant.nodes} node(s) ({grant.on_demand} on-demand) for pool {pool}",
-            )
-            await self._remove(
-                plan.victims, f"pool {pool} shrinks the job", "given back to the pool"
-            )
-        await self.fleet.reconcile()
-
-    async def _report_to_pool(self) -> None:
-        """Tell the pool what the job claims and holds, whenever that changed."""
-        s = self._active_state()
-        if s.spec.pool is None:
-            return
-        report = job_planner.pool_report(s)
-        figures = report.model_dump(exclude={"seq"})
-        if figures == self._reported:
-            return
-        s.pool_reports += 1
-        report.seq = s.pool_reports
-        pool = s.spec.pool.name
-        try:
-            await workflow.get_external_workflow_handle(pool_workflow_id(pool)).signal(
-                "report", report
-            )
-        except ApplicationError as err:
-            if report.claiming:
-                raise JobFailed(
-                    f"capacity pool {pool!r} cannot be reached ({err.message}): "
-                    f"create it with `spotrain pool create {pool}`"
-                ) from None
-        self._reported = figures
-
     def _on_nodes_changed(self) -> None:
         s = self._active_state()
         self._changes += 1
@@ -636,7 +577,7 @@ class TrainingJob:
         )
         s.record(self._now(), phase.lower(), s.failure or "")
         self._set_phase(phase)
-        await self._report_to_pool()  # leaves the pool: its share goes to the next job
+        await self.pool.report()  # leaves the pool: its share goes to the next job
         await workflow.wait_condition(workflow.all_handlers_finished)
 
     def _set_phase(self, phase: Phase) -> None:
