@@ -294,7 +294,7 @@ class KubeRuntime:
                     break
                 activity.heartbeat()
                 time.sleep(self.ack_poll_s)
-        acked, checkpoint_step = store.ended(req.generation)
+        acked, checkpoint_step, step = store.ended(req.generation)
         grace = math.ceil(req.grace_s) if req.graceful else 0
         # A Failed pod holds no resources and is what someone debugging the fault needs:
         # it stays until cleanup_job (which keeps it too when the job's cleanup policy says so).
@@ -310,7 +310,7 @@ class KubeRuntime:
             acked_ranks=acked,
             checkpoint_step=checkpoint_step,
             forced=bool(expected - set(acked)),
-            step=(store.progress(req.generation) or {}).get("step"),
+            step=step,
         )
 
     @activity.defn(name=contract.WATCH_GENERATION)

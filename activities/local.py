@@ -271,13 +271,9 @@ class LocalRuntime:
             self._wait(lambda: not any(r.alive() for r in survivors), self.term_grace_s)
         self._kill(survivors)
         forced = forced or bool(survivors)
-        acked, checkpoint_step = store.ended(req.generation)
-        progress = store.progress(req.generation)
+        acked, checkpoint_step, step = store.ended(req.generation)
         return StopResult(
-            acked_ranks=acked,
-            checkpoint_step=checkpoint_step,
-            forced=forced,
-            step=progress["step"] if progress else None,
+            acked_ranks=acked, checkpoint_step=checkpoint_step, forced=forced, step=step
         )
 
     @activity.defn(name=contract.WATCH_GENERATION)

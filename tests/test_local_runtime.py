@@ -149,7 +149,10 @@ def test_start_is_idempotent_and_sets_the_worker_environment(
     result = env.run(rt.stop_generation, stop_req(p, graceful=False))
     assert result.forced and not any(map(running, first))
     again = env.run(rt.stop_generation, stop_req(p, graceful=False))
-    assert again == StopResult(acked_ranks=[], checkpoint_step=again.checkpoint_step, forced=False)
+    # A repeated stop finds nothing left to stop: the same figures, nothing forced this time.
+    assert again == StopResult(
+        acked_ranks=[], checkpoint_step=result.checkpoint_step, forced=False, step=result.step
+    )
     unknown = plan(tmp_path, worker, "train", generation=7)
     assert not env.run(rt.stop_generation, stop_req(unknown, graceful=True)).forced
 
