@@ -50,6 +50,7 @@ from spotrain.workflows.contract import (
 )
 
 POLL_S = 0.25
+LIVE_POLL_S = 0.02  # a live stop's wait for parked ranks is part of the training pause
 ELASTIC_EVENT = "checkpoint-and-stop\n"
 START_FAILURE_WAIT_S = 10.0  # for every rank of a generation that failed before its first step
 TAIL_LINES, TAIL_BYTES = 5, 2000  # of a failed rank's output, for the job's fault message
@@ -143,7 +144,9 @@ class Rank:
         return self.live_pid() is not None
 
     def exit_code(self) -> int | None:
-        rec = _read_json(self.exit_file)
+        """Its launcher's code; an adopted rank's (live resize) is where it was launched."""
+        where = (self.record() or {}).get("exit")
+        rec = _read_json(Path(where) if where else self.exit_file)
         return None if rec is None else rec["code"]
 
     def signal(self, signum: int, group: bool) -> bool:
@@ -219,6 +222,8 @@ class LocalRuntime:
         store = checked_store(plan.checkpoint, time.time())
         reset_control(plan.checkpoint, plan.generation)
         store.mark_started(plan.generation, time.time())  # one machine: all up
+        live = plan.resize == "live"
+        adopted = live and self._adopt(plan, port, control, store)
         rank = 0
         for node_index, member in enumerate(plan.members):
             for local_rank in range(member.procs):
@@ -226,14 +231,68 @@ class LocalRuntime:
                 rank += 1
                 if r.pid_file.exists():
                     continue
-                env = environment.rank_env(
-                    plan, node_index, local_rank, master_port=port, control_file=control
-                )
-                env["MASTER_ADDR"] = "127.0.0.1"  # every "node" of this runtime is this machine
+                env = self._env(plan, node_index, local_rank, port, control)
+                if live:
+                    env[environment.STATE_FROM] = "peers" if adopted else "checkpoint"
                 command = launch_command(plan, node_index, sys.executable, local_rank)
-                self._launch(r, command, env, member.node_id)
+                self._launch(r, command, env, member.node_id, local_rank)
 
-    def _launch(self, r: Rank, command: list[str], env: dict[str, str], node_id: str) -> None:
+    @staticmethod
+    def _env(
+        plan: GenerationPlan, node_index: int, local_rank: int, port: int, control: str
+    ) -> dict[str, str]:
+        env = environment.rank_env(
+            plan, node_index, local_rank, master_port=port, control_file=control
+        )
+        env["MASTER_ADDR"] = "127.0.0.1"  # every "node" of this runtime is this machine
+        if plan.resize == "live":
+            env[environment.RESIZE] = "live"
+        return env
+
+    def _adopt(self, plan: GenerationPlan, port: int, control: str, store: JobStore) -> bool:
+        """Live resize: place the previous generation's parked ranks (alive, acked) on this
+        generation's member nodes, keeping their local rank, and tell every parked rank its
+        new environment or that it leaves (`gen-<previous>/next.json`). True if any was
+        placed. The placement follows from the files, so a retry writes the same."""
+        previous = plan.generation - 1
+        parked = {
+            r.rank: r.record() or {}
+            for r in self._ranks(plan.job, previous)
+            if r.rank in store.ack_steps(previous) and r.alive()
+        }
+        gdir = self.gen_dir(plan.job, plan.generation)
+        places: dict[str, dict[str, str] | None] = {str(old): None for old in parked}
+        rank = 0
+        for node_index, member in enumerate(plan.members):
+            for local_rank in range(member.procs):
+                old = next(
+                    (
+                        o
+                        for o, rec in parked.items()
+                        if rec.get("node_id") == member.node_id
+                        and rec.get("local_rank", 0) == local_rank
+                    ),
+                    None,
+                )
+                if old is not None:
+                    was = Rank(old, self.gen_dir(plan.job, previous))
+                    rec = parked[old]
+                    _write_atomic(
+                        Rank(rank, gdir).pid_file,
+                        json.dumps({**rec, "exit": rec.get("exit") or str(was.exit_file)}),
+                    )
+                    log = Rank(rank, gdir).log_file
+                    if not log.exists():
+                        log.symlink_to(was.log_file.resolve())
+                    env = self._env(plan, node_index, local_rank, port, control)
+                    places[str(old)] = {k: v for k, v in env.items() if k not in plan.env}
+                rank += 1
+        store.write_next(previous, {"generation": plan.generation, "ranks": places})
+        return any(place is not None for place in places.values())
+
+    def _launch(
+        self, r: Rank, command: list[str], env: dict[str, str], node_id: str, local_rank: int
+    ) -> None:
         """Start the rank's launcher and record it. A controller crash between the two lines
         (microseconds) would let the retry start the rank twice: DDP then fails the generation.
         Workers inherit the controller's environment (PATH, cloud credentials for S3)."""
@@ -249,7 +308,8 @@ class LocalRuntime:
         start = _proc_start_time(proc.pid)
         if start is None:  # exited already (e.g. bad interpreter): still record who it was
             start = -1
-        _write_atomic(r.pid_file, json.dumps({"pid": proc.pid, "start": start, "node_id": node_id}))
+        record = {"pid": proc.pid, "start": start, "node_id": node_id, "local_rank": local_rank}
+        _write_atomic(r.pid_file, json.dumps(record))
 
     @activity.defn(name=contract.STOP_GENERATION)
     def stop_generation(self, req: StopRequest) -> StopResult:
@@ -259,12 +319,22 @@ class LocalRuntime:
         store = JobStore(req.checkpoint)
         lost = [r for r in ranks if (r.record() or {}).get("node_id") in req.lost_node_ids]
         forced = self._kill(lost)
-        if req.graceful and ranks:
+        if (req.graceful or req.live) and ranks:
             raise_elastic_event(req)  # the control record every rank polls
             _write_atomic(self.control_file(req.job, req.generation), ELASTIC_EVENT)  # fallback
+        parked: dict[int, int] = {}
+        if req.live:  # ranks ack, then park alive (live.py): wait for every one to do either
+            self._wait(
+                lambda: all(r.rank in parked or not r.alive() for r in ranks),
+                req.grace_s,
+                poll_s=LIVE_POLL_S,
+                each=lambda: parked.update(store.ack_steps(req.generation)),
+            )
+            parked = {r.rank: parked[r.rank] for r in ranks if r.rank in parked and r.alive()}
+        elif req.graceful and ranks:
             # Ranks ack once checkpointed, then exit 0: waiting for the exits covers both.
             self._wait(lambda: not any(r.alive() for r in ranks), req.grace_s)
-        survivors = [r for r in ranks if r.alive()]
+        survivors = [r for r in ranks if r.alive() and r.rank not in parked]
         if survivors and req.graceful:
             for r in survivors:
                 r.signal(signal.SIGTERM, group=False)
@@ -273,7 +343,11 @@ class LocalRuntime:
         forced = forced or bool(survivors)
         acked, checkpoint_step, step = store.ended(req.generation)
         return StopResult(
-            acked_ranks=acked, checkpoint_step=checkpoint_step, forced=forced, step=step
+            acked_ranks=acked,
+            checkpoint_step=checkpoint_step,
+            forced=forced,
+            step=step,
+            held_step=max(parked.values()) if parked else None,
         )
 
     @activity.defn(name=contract.WATCH_GENERATION)
@@ -397,11 +471,19 @@ class LocalRuntime:
         )
 
     @staticmethod
-    def _wait(until: Callable[[], bool], timeout_s: float) -> None:
+    def _wait(
+        until: Callable[[], bool],
+        timeout_s: float,
+        poll_s: float = POLL_S,
+        each: Callable[[], None] = lambda: None,
+    ) -> None:
         deadline = time.monotonic() + timeout_s
-        while not until() and time.monotonic() < deadline:
+        while True:
+            each()
+            if until() or time.monotonic() >= deadline:
+                return
             _heartbeat()
-            time.sleep(POLL_S)
+            time.sleep(poll_s)
 
     def _kill(self, ranks: list[Rank]) -> bool:
         """SIGKILL each live rank's whole process group; True if any was still running."""

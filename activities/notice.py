@@ -28,7 +28,9 @@ def reset_control(checkpoint: str, generation: int) -> None:
     """Before a generation's ranks start: a 'run' record over whatever an earlier job of the
     same name and checkpoint location left for this generation number, so no rank obeys a
     stale 'stop'."""
-    JobStore(checkpoint).write_control(generation, {"kind": "run", "time": time.time()})
+    store = JobStore(checkpoint)
+    store.write_control(generation, {"kind": "run", "time": time.time()})
+    store.write_next(generation, {"generation": None, "ranks": {}})  # no live placement yet
 
 
 def raise_elastic_event(req: StopRequest) -> None:
@@ -41,6 +43,8 @@ def raise_elastic_event(req: StopRequest) -> None:
             "event_id": f"stop-{req.job}-{req.generation}",
             "time": time.time(),
             "notice_at": req.notice_at.isoformat() if req.notice_at else None,
+            # live resize: the survivors' memory carries the state; a notice still gets one
+            "checkpoint": not req.live or req.notice_at is not None,
         },
     )
     if req.notice_at is None or not activity.in_activity():

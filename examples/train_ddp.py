@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 
 from spotrain import elastic
-from spotrain.elastic import checkpoint
+from spotrain.elastic import checkpoint, live
 
 DATASET_SIZE = 4096
 FEATURES = 8
@@ -84,27 +84,48 @@ def main() -> int:
     args = parser.parse_args()
 
     s = elastic.wait_for_gang()
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{s.local_rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
     if s.global_batch_size is None:
         sys.exit("set global_batch_size in the job spec: ranks need their share of it")
-    batch = s.batch_slice()
-    lr = float(s.scale_config.get("lr", 0.02))
-    ckpt_every = int(s.scale_config.get("ckpt_every", 25))
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=live.collective_timeout())
     torch.set_num_threads(1)  # a tiny model: threads only fight over the cores
-
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts them)
+    device = torch.device(f"cuda:{s.local_rank}" if cuda else "cpu")
     model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
-    optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    ckpt = checkpoint.Checkpointer()
-    step = load(ckpt, model, optim)
-    ddp = DistributedDataParallel(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    # A rank joining a live resize takes the survivors' state in `live.sync`, not the disk's.
+    step = -1 if live.state_from_peers() else load(checkpoint.Checkpointer(), model, optim)
     x_all, y_all = dataset()
-    if args.record:
-        args.record.mkdir(parents=True, exist_ok=True)
+    while s is not None:  # one pass per generation this process trains in
+        step = live.sync(model, optim, step)
+        done = train(s, args, model, optim, step, (x_all, y_all), device)
+        if done is None:
+            return 0
+        step = done
+        s = live.next_generation(step)  # parked until placed (live), else None: exit
+    return 0
+
+
+def train(
+    s: elastic.Settings,
+    args: argparse.Namespace,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    step: int,
+    data: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+) -> int | None:
+    """Train this generation from `step`: None once the job is done, else the step reached
+    when the elastic event came (checkpointed if it asks) or a peer was lost (live)."""
+    if cuda := device.type == "cuda":
+        torch.cuda.set_device(device)
+    batch = s.batch_slice()
+    for group in optim.param_groups:
+        group["lr"] = float(s.scale_config.get("lr", 0.02))
+    ckpt_every = int(s.scale_config.get("ckpt_every", 25))
+    ckpt = checkpoint.Checkpointer()
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     record = (
         # line-buffered: a rank killed without notice still leaves every step it took
         (args.record / f"gen-{s.generation}-rank-{s.rank}.jsonl").open("a", buffering=1)
@@ -114,44 +135,57 @@ def main() -> int:
     print(
         f"gen {s.generation} rank {s.rank}/{s.world_size}: step {step}, batch {batch}", flush=True
     )
-
-    while step < s.total_steps:
-        start = step * s.global_batch_size + batch.start
-        idx = sample_indices(start, batch.stop - batch.start)
-        x, y = x_all[idx].to(device), y_all[idx].to(device)
-        sse = ((ddp(x) - y) ** 2).sum()
-        # DDP averages gradients over ranks; scaling by world/global makes it the global mean.
-        (sse * s.world_size / s.global_batch_size).backward()
-        optim.step()
+    try:
+        while step < s.total_steps:
+            start = step * s.global_batch_size + batch.start
+            idx = sample_indices(start, batch.stop - batch.start)
+            x, y = data[0][idx].to(device), data[1][idx].to(device)
+            sse = ((ddp(x) - y) ** 2).sum()
+            # DDP averages gradients over ranks; scaling by world/global makes it the global mean.
+            (sse * s.world_size / s.global_batch_size).backward()
+            # One all-reduce: the global loss, and whether any rank saw the elastic event. Both
+            # collectives come before the optimizer step, so a peer lost in either leaves the
+            # model as it was: the step in flight is dropped whole.
+            seen = float(elastic.elastic_event_detected())
+            flags = torch.tensor([sse.item(), seen], device=device)
+            dist.all_reduce(flags)
+            loss, event = flags[0].item() / s.global_batch_size, flags[1].item() > 0
+            optim.step()
+            optim.zero_grad()
+            step += 1
+            if record:
+                entry = {"step": step, "start": start, "count": len(idx), "world": s.world_size}
+                entry["time"] = time.time()
+                record.write(json.dumps({**entry, "loss": loss} if s.is_rank0 else entry) + "\n")
+            if args.step_time:
+                time.sleep(args.step_time)
+            if s.is_rank0 and step % 10 == 0:
+                print(f"step {step} loss {loss:.5f} world {s.world_size}", flush=True)
+            elastic.report_progress(step)
+            ckpt.poll()
+            if event:
+                if live.wants_checkpoint():
+                    ckpt.save(state_of(ddp.module, optim, step), step, kind="notice")
+                ckpt.close()
+                print(f"rank {s.rank}: elastic event at step {step}", flush=True)
+                return step
+            if step % ckpt_every == 0 and step < s.total_steps:
+                ckpt.save_async(state_of(ddp.module, optim, step), step)
+    except Exception as err:
+        if not (live.enabled() and live.peer_failed(err)):
+            raise
+        # A peer vanished mid-step: that step is dropped (its optimizer step never ran), and
+        # the survivors re-form from what they hold.
         optim.zero_grad()
-        step += 1
-        if args.step_time:
-            time.sleep(args.step_time)
-        # One all-reduce: the global loss, and whether any rank saw the elastic event.
-        flags = torch.tensor([sse.item(), float(elastic.elastic_event_detected())], device=device)
-        dist.all_reduce(flags)
-        loss, event = flags[0].item() / s.global_batch_size, flags[1].item() > 0
+        print(f"rank {s.rank}: lost a peer at step {step}: {err}", flush=True)
+        return step
+    finally:
         if record:
-            entry = {"step": step, "start": start, "count": len(idx), "world": s.world_size}
-            record.write(json.dumps({**entry, "loss": loss} if s.is_rank0 else entry) + "\n")
-        if s.is_rank0 and step % 10 == 0:
-            print(f"step {step} loss {loss:.5f} world {s.world_size}", flush=True)
-        elastic.report_progress(step)
-        ckpt.poll()
-        if event:
-            ckpt.save(state_of(ddp.module, optim, step), step, kind="notice")
-            elastic.ack_checkpoint(step)
-            print(f"rank {s.rank}: elastic event, checkpointed step {step}, exiting", flush=True)
-            break
-        if step % ckpt_every == 0 and step < s.total_steps:
-            ckpt.save_async(state_of(ddp.module, optim, step), step)
-    else:
-        ckpt.save(state_of(ddp.module, optim, step), step, kind="final")
-        elastic.mark_done(step)
-        dist.barrier()  # every rank exits only once the done marker is on record
-    if record:
-        record.close()
-    return 0
+            record.close()
+    ckpt.save(state_of(ddp.module, optim, step), step, kind="final")
+    elastic.mark_done(step)
+    dist.barrier()  # every rank exits only once the done marker is on record
+    return None
 
 
 if __name__ == "__main__":

@@ -204,6 +204,10 @@ class GenerationPlan(Message):
     graceful_shutdown_s: float | None = Field(
         None, description="the spec's graceful timeout: a pod's terminationGracePeriodSeconds"
     )
+    resize: Literal["restart", "live"] = Field(
+        "restart", description="live: adopt the previous generation's parked ranks"
+    )
+    collective_timeout_s: float = 30.0
 
     @property
     def world_size(self) -> int:
@@ -223,6 +227,9 @@ class StopRequest(Message):
     notice_at: datetime | None = Field(
         None, description="when the workflow acted on the reclaim notice behind this stop"
     )
+    live: bool = Field(
+        False, description="live resize: ranks that ack stay alive (parked) for the next generation"
+    )
 
 
 class StopResult(Message):
@@ -233,6 +240,9 @@ class StopResult(Message):
         None,
         description="the step the ranks had reached when they stopped (what they redo "
         "from the checkpoint), if the runtime knows it",
+    )
+    held_step: int | None = Field(
+        None, description="live resize: the step the parked ranks hold in memory (resume there)"
     )
 
 

@@ -250,6 +250,8 @@ def generation_plan(state: JobState) -> GenerationPlan:
         total_steps=spec.total_steps,
         gpus_per_proc=1 if (spec.gpus_per_node or spec.total_gpus) else 0,
         graceful_shutdown_s=spec.elastic.graceful_shutdown_timeout_s,
+        resize=spec.elastic.resize,
+        collective_timeout_s=spec.elastic.collective_timeout_s,
     )
 
 

@@ -103,25 +103,31 @@ class Ranks:
         lost: list[str],
         reason: str,
         notice_at: datetime | None = None,
+        resize: bool = False,
     ) -> StopResult:
         """End the running generation (`graceful`: checkpoint first, within `grace` seconds);
-        afterwards the job resumes from the latest checkpoint."""
+        afterwards the job resumes from the latest checkpoint. `resize`: the job goes on with
+        some of these ranks, so with `elastic.resize: live` they park instead of exiting and
+        the next generation resumes from their memory."""
         s = self.s
         self.cancel_watch()
         self.set_phase(Phase.RESIZING)
+        live = resize and s.spec.elastic.resize == "live"
         result = await calls.stop_generation(
             StopRequest(
                 **self._generation(),
                 graceful=graceful,
-                grace_s=grace,
+                grace_s=max(grace, s.spec.elastic.collective_timeout_s) if live else grace,
                 lost_node_ids=lost,
                 notice_at=notice_at,
+                live=live,
             ),
             f"{'checkpoint, ' if graceful else ''}stop generation {s.generation}: {reason}",
         )
         s.note_stopped(result)
-        how = "checkpointed" if graceful and not result.forced else "stopped"
-        s.record(
-            workflow.now(), f"generation {how}", f"{reason}; resume from step {s.checkpoint_step}"
-        )
+        if result.held_step is not None:
+            how = "parked (live resize)"
+        else:
+            how = "checkpointed" if graceful and not result.forced else "stopped"
+        s.record(workflow.now(), f"generation {how}", f"{reason}; resume from step {s.step}")
         return result

@@ -127,6 +127,17 @@ class ElasticPolicy(Strict):
         description="nodes a make-before-break replacement may hold beyond max_nodes while it "
         "overlaps the warned node (0: only below max_nodes); a pool's grant is never exceeded",
     )
+    resize: Literal["restart", "live"] = Field(
+        "restart",
+        description="restart: every resize checkpoints and restarts every rank; live: surviving "
+        "ranks re-form the process group in place and joiners get the state from them (the "
+        "training code must follow spotrain.elastic.live; local runtime)",
+    )
+    collective_timeout_s: PositiveSeconds = Field(
+        30,
+        description="how long a collective waits for a peer: a rank lost without notice is "
+        "detected within it (passed to ranks as SPOTRAIN_COLLECTIVE_TIMEOUT_S)",
+    )
     opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
     progress_report_interval_s: PositiveSeconds = Field(
         30, description="how often running ranks' progress reaches the workflow"

@@ -225,9 +225,12 @@ class JobState(BaseModel):
             self.step = max(self.step, result.step)
         if result.checkpoint_step is not None:
             self.checkpoint_step = max(self.checkpoint_step, result.checkpoint_step)
-        if self.step > self.checkpoint_step:
-            self.steps_lost += self.step - self.checkpoint_step
-        self.step = self.checkpoint_step
+        resume = self.checkpoint_step
+        if result.held_step is not None:  # live resize: the survivors' memory
+            resume = max(resume, result.held_step)
+        if self.step > resume:
+            self.steps_lost += self.step - resume
+        self.step = resume
 
     def remember(self, event_id: str | None) -> bool:
         """False if this event id was seen before (signals carry no dedupe id of their own)."""

@@ -99,7 +99,11 @@ class Swapper:
         s.swapped += len(warned)
         s.reclaims += sum(a.node_id in noticed for a in warned)
         await self.ranks.stop(
-            graceful=True, grace=step.grace, lost=[], reason=f"make-before-break: {names}"
+            graceful=True,
+            grace=step.grace,
+            lost=[],
+            reason=f"make-before-break: {names}",
+            resize=True,
         )
         s.swaps = [w for w in s.swaps if w.node_id not in {a.node_id for a in warned}]
         await self.fleet.release(warned, "swapped out (make-before-break)")

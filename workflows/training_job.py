@@ -331,13 +331,14 @@ class TrainingJob:
             return True
         if verdict == "fault":
             fatal = start_failure.cannot_start(s, w)
-            await self._fault(fatal or detail)
+            await self._fault(fatal or detail, resize=not fatal)
             if fatal and workflow.patched("cannot-start-fails-at-once"):
                 raise JobFailed(fatal)
         return False
 
-    async def _resize(self, *, reason: str, detail: str) -> None:
-        """Checkpoint and stop the running generation, so the next one starts resized."""
+    async def _resize(self, *, reason: str, detail: str, resize: bool = True) -> None:
+        """Checkpoint and stop the running generation, so the next one starts resized
+        (`resize` False: nothing runs next, as on a pause)."""
         s = self._active_state()
         if s.running:
             s.resizes += 1
@@ -346,18 +347,24 @@ class TrainingJob:
                 grace=s.spec.elastic.graceful_shutdown_timeout_s,
                 lost=[],
                 reason=f"{reason}: {detail}",
+                resize=resize,
             )
         s.grow_since = None
 
-    async def _fault(self, detail: str) -> None:
-        """A rank failed or stalled: nodes that are gone are replaced; the rest restart."""
+    async def _fault(self, detail: str, resize: bool = False) -> None:
+        """A rank failed or stalled: nodes that are gone are replaced; the rest restart (or,
+        `resize` in live mode, keep what they hold: a rank lost costs the step in flight)."""
         s = self._active_state()
         s.faults += 1
         s.restarts += 1
         s.record(self._now(), "fault", detail)
         gone = [info for info in await self.fleet.describe(s.member_nodes) if info.state == "gone"]
         await self.ranks.stop(
-            graceful=False, grace=0, lost=[i.node_id for i in gone], reason=f"fault: {detail}"
+            graceful=False,
+            grace=0,
+            lost=[i.node_id for i in gone],
+            reason=f"fault: {detail}",
+            resize=resize,
         )
         if gone:
             s.hold_until = job_planner.replacement_hold(s, self._now())
@@ -467,6 +474,7 @@ class TrainingJob:
                 lost=[],
                 reason=f"reclaim notice for {names}",
                 notice_at=self._now(),
+                resize=True,
             )
             for n in plan.leaving:
                 await self._node_gone(n, "reclaimed")
@@ -482,6 +490,7 @@ class TrainingJob:
                 grace=0,
                 lost=[node.node_id or ""],
                 reason=f"{node.node_id} {reason}",
+                resize=True,
             )
             s.hold_until = job_planner.replacement_hold(s, self._now())
         await self._node_gone(node, reason)
@@ -510,7 +519,7 @@ class TrainingJob:
         """Checkpoint, stop, and give every node back (pause, preemption by the pool)."""
         s = self._active_state()
         if s.running:
-            await self._resize(reason=why, detail=detail)
+            await self._resize(reason=why, detail=detail, resize=False)
         await self.fleet.settle()
         await self.fleet.release([n for n in s.nodes if n.alive], released)
 

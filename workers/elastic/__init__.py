@@ -154,16 +154,35 @@ def _start() -> Channel:
         if (
             os.environ.get(SIGTERM_ENV) != "0"
             and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _on_sigterm)
         ):
-
-            def on_sigterm(signum: int, _frame: object) -> None:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process
-                channel.raise_event("SIGTERM", {"kind": "stop"})
-
-            signal.signal(signal.SIGTERM, on_sigterm)
+            signal.signal(signal.SIGTERM, _on_sigterm)
         _channel = channel
         return channel
+
+
+sigterm_received = False  # a parked rank (live.py) leaves on it
+
+
+def _on_sigterm(signum: int, _frame: object) -> None:
+    global sigterm_received
+    sigterm_received = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process
+    if _channel is not None:
+        _channel.raise_event("SIGTERM", {"kind": "stop"})
+
+
+def next_generation_settings() -> Settings:
+    """Live resize (live.py), once the runtime put this process into the next generation's
+    environment: forget the old generation's settings and event, listen to the new one's."""
+    global _channel
+    with _start_lock:
+        old, _channel = _channel, None
+    if old is not None:
+        old.close()
+    settings.cache_clear()
+    _start()
+    return settings()
 
 
 def elastic_event_detected() -> bool:

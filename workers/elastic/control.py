@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from spotrain.elastic.job_store import FileStore, JobStore, S3Store
@@ -98,14 +99,7 @@ class StoreRecord:
         self.key = JobStore.control_key(generation)
         self.name = f"control record {store.uri.rstrip('/')}/{self.key}"
         self.interval_s = interval_s
-        backend = store.store
-        if isinstance(backend, FileStore):
-            changes = _Changes(str(backend.root / self.key))
-            self._read = changes.read_if_changed
-        elif isinstance(backend, S3Store):
-            self._read = _S3Conditional(backend, self.key).read_if_changed
-        else:
-            raise TypeError(f"no control channel for {type(backend).__name__}")
+        self._read = changed_reader(store, self.key)
 
     def poll(self) -> dict[str, Any] | None:
         text = self._read()
@@ -116,6 +110,17 @@ class StoreRecord:
         except json.JSONDecodeError:
             return None  # writers replace the whole object: a torn read cannot last
         return record if isinstance(record, dict) and record.get("kind") == STOP else None
+
+
+def changed_reader(store: JobStore, key: str) -> Callable[[], str | None]:
+    """A cheap reader of one key of the store: its text when it changed since the last call,
+    else None (stat on file://, a conditional GET on s3://)."""
+    backend = store.store
+    if isinstance(backend, FileStore):
+        return _Changes(str(backend.root / key)).read_if_changed
+    if isinstance(backend, S3Store):
+        return _S3Conditional(backend, key).read_if_changed
+    raise TypeError(f"no control channel for {type(backend).__name__}")
 
 
 class _S3Conditional:

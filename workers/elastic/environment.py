@@ -25,6 +25,11 @@ TOTAL_STEPS = "SPOTRAIN_TOTAL_STEPS"
 CHECKPOINT_KEEP = "SPOTRAIN_CHECKPOINT_KEEP"
 GLOBAL_BATCH_SIZE = "SPOTRAIN_GLOBAL_BATCH_SIZE"
 LOCAL_BATCH_SIZE = "SPOTRAIN_LOCAL_BATCH_SIZE"
+COLLECTIVE_TIMEOUT = "SPOTRAIN_COLLECTIVE_TIMEOUT_S"
+# Live resize (live.py), set by a runtime that supports it:
+RESIZE = "SPOTRAIN_RESIZE"  # "live"
+STATE_FROM = "SPOTRAIN_STATE_FROM"  # "peers": a joiner takes the survivors' state
+PARK_TIMEOUT = "SPOTRAIN_PARK_TIMEOUT_S"
 
 
 def rank_env(
@@ -57,6 +62,7 @@ def rank_env(
             SCALE_CONFIG: json.dumps(plan.scale_config, sort_keys=True),
             TOTAL_STEPS: str(plan.total_steps),
             CHECKPOINT_KEEP: str(plan.checkpoint_keep),
+            COLLECTIVE_TIMEOUT: str(plan.collective_timeout_s),
         }
     )
     if plan.global_batch_size is not None:

@@ -197,6 +197,12 @@ class JobStore:
         keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
         return sorted(int(Path(k).stem) for k in keys)
 
+    def ack_steps(self, generation: int) -> dict[int, int]:
+        """Rank -> the step it acked (live resize: the step a parked rank holds)."""
+        keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
+        acks = {int(Path(k).stem): self.store.get_json(k) for k in keys}
+        return {rank: a["step"] for rank, a in acks.items() if a}
+
     def write_progress(self, generation: int, step: int, time: float) -> None:
         self.store.put_json(f"{self._gen(generation)}/progress.json", {"step": step, "time": time})
 
@@ -278,6 +284,8 @@ class JobStore:
     # --- control channel (control.py): orchestrator -> ranks, ranks -> orchestrator ---------
     #   gen-00003/control.json               {"kind": "stop", "event_id", "time", ...}
     #   gen-00003/notice/<event id>.json     a reclaim notice a rank found (EC2 metadata)
+    #   gen-00003/next.json                  live resize: {"generation": 4, "ranks": {"<rank
+    #                                        in 3>": its environment in 4, or null: leave}}
 
     @classmethod
     def control_key(cls, generation: int) -> str:
@@ -285,6 +293,16 @@ class JobStore:
 
     def write_control(self, generation: int, record: dict[str, Any]) -> None:
         self.store.put_json(self.control_key(generation), record)
+
+    @classmethod
+    def next_key(cls, generation: int) -> str:
+        return f"{cls._gen(generation)}/next.json"
+
+    def write_next(self, generation: int, record: dict[str, Any]) -> None:
+        self.store.put_json(self.next_key(generation), record)
+
+    def next_generation(self, generation: int) -> dict[str, Any] | None:
+        return self.store.get_json(self.next_key(generation))
 
     def report_notice(self, generation: int, notice: dict[str, Any]) -> None:
         """One object per event id: every rank of the node writes the same one (idempotent)."""

@@ -1,0 +1,156 @@
+"""Live resize with the real example (examples/train_ddp.py: PyTorch DDP, gloo, CPU) on the local
+runtime: surviving ranks keep their process through shrink and growth, a joiner takes the
+state from them, a rank lost without notice costs at most the step in flight, and a survivor
+that hangs sends the job back to its last checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from spotrain.activities.local import LocalRuntime
+from spotrain.elastic.job_store import JobStore
+from spotrain.workflows.contract import GenerationPlan, Member
+from tests.test_train_ddp import GLOBAL_BATCH, TOTAL_STEPS, records, run_to_end, stop_generation
+from tests.test_train_ddp import plan as restart_plan
+from tests.test_train_ddp import watch
+
+pytest.importorskip("torch")
+
+
+def plan(tmp_path: Path, generation: int, nodes: list[int], **kw: object) -> GenerationPlan:
+    p = restart_plan(tmp_path, generation, len(nodes), **kw)  # type: ignore[arg-type]
+    p.members = [Member(node_id=f"node-{i}", address="127.0.0.1") for i in nodes]
+    return p.model_copy(update={"resize": "live", "collective_timeout_s": 5.0})
+
+
+def pids(rt: LocalRuntime, generation: int, job: str = "ddp") -> dict[int, int]:
+    return {r.rank: (r.record() or {})["pid"] for r in rt._ranks(job, generation)}
+
+
+def run_until(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan, step: int) -> None:
+    deadline = time.monotonic() + 90
+    while (result := watch(env, rt, p)).outcome == "progress" and (result.step or 0) < step:
+        assert time.monotonic() < deadline, f"generation {p.generation} made no progress"
+    assert result.outcome == "progress", (result, rt.log_path(p.job, 0, p.generation).read_text())
+
+
+def consumed(entries_by_gen: list[tuple[dict[int, list[dict]], int]]) -> list[int]:
+    """Stream positions consumed by the steps the final model went through: each generation's
+    entries up to the step the next one resumed from."""
+    return sorted(
+        p
+        for rec, upto in entries_by_gen
+        for entries in rec.values()
+        for e in entries
+        if e["step"] <= upto
+        for p in range(e["start"], e["start"] + e["count"])
+    )
+
+
+def test_survivors_keep_training_through_shrink_and_growth(tmp_path: Path) -> None:
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    gen0 = plan(tmp_path, 0, [0, 1, 2])
+    env.run(rt.start_generation, gen0)
+    run_until(env, rt, gen0, 12)
+
+    # Shrink on a reclaim notice: checkpointed (the notice asks), every rank parks.
+    notice = stop_generation(
+        env, rt, gen0, graceful=True, grace_s=30, live=True, notice_at=datetime.now(UTC)
+    )
+    assert notice.acked_ranks == [0, 1, 2] and not notice.forced
+    s0 = notice.held_step
+    assert s0 is not None and notice.checkpoint_step == s0
+    gen1 = plan(tmp_path, 1, [0, 1])
+    env.run(rt.start_generation, gen1)
+    assert pids(rt, 1) == {r: pid for r, pid in pids(rt, 0).items() if r < 2}  # same processes
+    run_until(env, rt, gen1, s0 + 12)
+
+    # Growth onto a new node: no checkpoint; the joiner takes the state from the survivors.
+    grow = stop_generation(env, rt, gen1, graceful=True, grace_s=30, live=True)
+    s1 = grow.held_step
+    assert s1 is not None and s1 > s0 and grow.checkpoint_step < s1
+    gen2 = plan(tmp_path, 2, [0, 1, 3])
+    env.run(rt.start_generation, gen2)
+    assert pids(rt, 2)[0] == pids(rt, 0)[0] and pids(rt, 2)[2] not in pids(rt, 0).values()
+    ref = restart_plan(tmp_path, 0, 1, job="ref")
+    env.run(rt.start_generation, ref)
+    assert run_to_end(env, rt, gen2).exit_codes == {0: 0, 1: 0, 2: 0}
+    run_to_end(env, rt, ref)
+
+    rec = [records(tmp_path, g) for g in range(3)]
+    assert [e["step"] for e in rec[0][0]] == list(range(1, s0 + 1))
+    assert [e["step"] for e in rec[1][0]] == list(range(s0 + 1, s1 + 1))
+    assert [e["step"] for e in rec[2][0]] == list(range(s1 + 1, TOTAL_STEPS + 1))
+    assert {e["world"] for e in rec[1][1]} == {2} and {e["world"] for e in rec[2][2]} == {3}
+    assert consumed([(rec[0], s0), (rec[1], s1), (rec[2], TOTAL_STEPS)]) == list(
+        range(TOTAL_STEPS * GLOBAL_BATCH)
+    )
+    # The same computation as a rank never resized: the state crossed in memory intact.
+    losses = [e["loss"] for g in range(3) for e in rec[g][0]]
+    ref_losses = [e["loss"] for e in records(tmp_path, 0, job="ref")[0]]
+    assert losses == pytest.approx(ref_losses, rel=1e-3)
+    store = JobStore(gen2.checkpoint)
+    assert store.loaded_step(1) is None and store.loaded_step(2) is None  # nothing from disk
+    assert not any(r.alive() for g in range(3) for r in rt._ranks("ddp", g))
+
+
+def test_a_rank_lost_without_notice_costs_at_most_the_step_in_flight(tmp_path: Path) -> None:
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    gen0 = plan(tmp_path, 0, [0, 1, 2], ckpt_every=1000)  # no periodic checkpoint to fall to
+    env.run(rt.start_generation, gen0)
+    run_until(env, rt, gen0, 15)
+    assert rt.kill_node("ddp", "node-2") == [2]
+    # The survivors' next collective fails at once (the peer's sockets close): they park.
+    lost = stop_generation(
+        env, rt, gen0, graceful=False, grace_s=10, live=True, lost_node_ids=["node-2"]
+    )
+    assert lost.acked_ranks == [0, 1] and lost.checkpoint_step is None
+    held = lost.held_step
+    reached = max(e["step"] for entries in records(tmp_path, 0).values() for e in entries)
+    assert held is not None and reached - held <= 1, (reached, held)
+    gen1 = plan(tmp_path, 1, [0, 1], ckpt_every=1000)
+    env.run(rt.start_generation, gen1)
+    assert run_to_end(env, rt, gen1).exit_codes == {0: 0, 1: 0}
+    rec0, rec1 = records(tmp_path, 0), records(tmp_path, 1)
+    assert [e["step"] for e in rec1[0]] == list(range(held + 1, TOTAL_STEPS + 1))
+    assert consumed([(rec0, held), (rec1, TOTAL_STEPS)]) == list(range(TOTAL_STEPS * GLOBAL_BATCH))
+    assert not any(r.alive() for g in range(2) for r in rt._ranks("ddp", g))
+
+
+def test_a_survivor_that_hangs_sends_the_job_back_to_its_checkpoint(tmp_path: Path) -> None:
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt", term_grace_s=1)
+    gen0 = plan(tmp_path, 0, [0, 1, 2])
+    env.run(rt.start_generation, gen0)
+    run_until(env, rt, gen0, 12)
+    notice = stop_generation(
+        env, rt, gen0, graceful=True, grace_s=30, live=True, notice_at=datetime.now(UTC)
+    )
+    assert notice.held_step is not None
+    hung = pids(rt, 0)[1]
+    os.killpg(hung, signal.SIGSTOP)  # the rank and its launcher: parked, then never answer
+    try:
+        gen1 = plan(tmp_path, 1, [0, 1])
+        env.run(rt.start_generation, gen1)
+        # Rank 0 waits for rank 1 in the new group for the collective timeout (5 s), then fails.
+        deadline = time.monotonic() + 60
+        while (result := watch(env, rt, gen1)).outcome == "progress":
+            assert time.monotonic() < deadline, "the hung survivor was never detected"
+        assert result.outcome == "failed", result
+        stop = stop_generation(env, rt, gen1, graceful=False, grace_s=6, live=True)
+        assert stop.held_step is None and stop.forced  # nothing parked: restart from disk
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(hung, signal.SIGCONT)
+    gen2 = plan(tmp_path, 2, [0, 1])
+    env.run(rt.start_generation, gen2)
+    run_to_end(env, rt, gen2)
+    assert JobStore(gen2.checkpoint).loaded_step(2) == notice.checkpoint_step
+    assert not any(r.alive() for g in range(3) for r in rt._ranks("ddp", g))

@@ -1,0 +1,149 @@
+"""Live resize: on a membership change the surviving ranks keep their process, re-form the
+process group for the next generation and train on from memory; joining ranks take the state
+from a survivor over the new group, not from disk. Opt in with `elastic.resize: live`.
+
+A training loop supports it in a few lines (examples/train_ddp.py is the whole of it):
+
+    dist.init_process_group(backend, timeout=live.collective_timeout())
+    step = -1 if live.state_from_peers() else load_checkpoint(model, optim)
+    while True:
+        step = live.sync(model, optim, step)    # every rank takes the most advanced state
+        ddp = DistributedDataParallel(model)    # (rebuilt for each membership)
+        try:
+            ...train; on the elastic event: checkpoint if live.wants_checkpoint()...
+        except Exception as err:
+            if not live.peer_failed(err):
+                raise
+            optim.zero_grad()                   # a peer vanished mid-step: drop that step
+        if live.next_generation(step) is None:  # parked until the next membership
+            break                               # this rank leaves: exit 0
+
+How the runtime and the library meet, through the job's store (job_store.py):
+- A live stop raises the elastic event as usual; each rank finishes its step, checkpoints if
+  the event asks for it (a reclaim notice does; growth and scale-in do not), then acks with
+  its step and parks: an ack from a rank still alive means "I hold step S in memory". A rank
+  whose collective failed (a peer lost without notice, detected within
+  `collective_timeout()`) drops the step in flight and parks the same way.
+- Starting the next generation, the runtime adopts the parked ranks on its member nodes and
+  writes `gen-<old>/next.json`: each parked rank's new environment (rank, world size, master
+  address and port, generation), or null for a rank that leaves. It starts processes only for
+  the new places, telling them to take the state from their peers.
+- A parked rank polls that record (every 20 ms on file://, 100 ms on s3://), tears the old
+  process group down, takes the new environment and joins the new group. With no next
+  generation within `SPOTRAIN_PARK_TIMEOUT_S` (default 600 s), or on SIGTERM, it leaves.
+- If the new group does not form (a survivor hung, a peer died on the way), its ranks fail
+  within the collective timeout, and the job restarts from the last checkpoint as in
+  restart mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spotrain import elastic
+from spotrain.elastic import environment
+from spotrain.elastic.control import changed_reader
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
+DEFAULT_PARK_TIMEOUT_S = 600.0
+
+
+def enabled() -> bool:
+    """True when this generation resizes live (the runtime says so in the environment)."""
+    return os.environ.get(environment.RESIZE) == "live"
+
+
+def state_from_peers() -> bool:
+    """True for a rank started into a live generation whose survivors hold the state: it
+    loads nothing from disk and gets the state in `sync`."""
+    return enabled() and os.environ.get(environment.STATE_FROM) == "peers"
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective waits for a peer: a node lost without notice is detected within
+    it. Pass it to `init_process_group` (in restart mode it bounds a hang just the same)."""
+    seconds = float(os.environ.get(environment.COLLECTIVE_TIMEOUT) or DEFAULT_COLLECTIVE_TIMEOUT_S)
+    return timedelta(seconds=seconds)
+
+
+def wants_checkpoint() -> bool:
+    """Whether the elastic event asks for a checkpoint before stopping: always in restart
+    mode; in live mode only for a reclaim notice (the survivors' memory carries the rest)."""
+    event = elastic.elastic_event() or {}
+    return not enabled() or bool(event.get("checkpoint", True))
+
+
+def peer_failed(err: BaseException) -> bool:
+    """True if `err` is a collective that failed because a peer vanished or timed out."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed", "Timed out")
+    )
+
+
+def sync(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> int:
+    """Collective, before (re)building DDP: every rank takes the model, optimizer and step of
+    the most advanced rank (a joiner passes -1). Free when every rank already agrees."""
+    if not enabled():
+        return step
+    steps = [0] * dist.get_world_size()
+    dist.all_gather_object(steps, step)
+    source = steps.index(max(steps))
+    if min(steps) == max(steps) >= 0:
+        return step
+    payload = [
+        {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
+        if dist.get_rank() == source
+        else None
+    ]
+    dist.broadcast_object_list(payload, src=source)
+    if dist.get_rank() != source:
+        model.load_state_dict(payload[0]["model"])
+        optim.load_state_dict(payload[0]["optim"])
+    return int(payload[0]["step"])
+
+
+def next_generation(step: int) -> elastic.Settings | None:
+    """Park holding `step` in memory until the runtime places this rank in the next
+    generation; then re-form the process group and return the new settings. None: this
+    rank leaves (restart mode, not adopted, no next generation in time, or SIGTERM)."""
+    s = elastic.settings()
+    elastic.store().write_ack(s.generation, s.rank, step, time.time())
+    if not enabled():
+        return None
+    env = _wait_for_place(s)
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    with contextlib.suppress(Exception):  # the old group may have lost a peer: drop it anyway
+        dist.destroy_process_group()
+    if env is None:
+        return None
+    os.environ.update(env)
+    new = elastic.next_generation_settings()
+    elastic.wait_for_gang()
+    dist.init_process_group(backend, timeout=collective_timeout())
+    return new
+
+
+def _wait_for_place(s: elastic.Settings) -> dict[str, str] | None:
+    """This rank's environment in the next generation, or None when it leaves."""
+    read = changed_reader(elastic.store(), elastic.store().next_key(s.generation))
+    every = 0.1 if s.checkpoint.startswith("s3://") else 0.02
+    deadline = time.monotonic() + float(
+        os.environ.get(environment.PARK_TIMEOUT) or DEFAULT_PARK_TIMEOUT_S
+    )
+    while time.monotonic() < deadline and not elastic.sigterm_received:
+        with contextlib.suppress(Exception):  # unreachable for a moment: ask again
+            record = json.loads(read() or "{}")
+            if record.get("generation") is not None:  # (None: a placeholder, not yet placed)
+                return record["ranks"].get(str(s.rank))
+        time.sleep(every)
+    return None
