@@ -8,7 +8,7 @@ the same root) finds everything again:
     jobs/<job>/gen-<g>/rank-<r>.log     the rank's stdout and stderr
     jobs/<job>/gen-<g>/master_port      chosen once per generation
     jobs/<job>/gen-<g>/control          non-empty: the elastic event (the fallback of the
-                                        control record in the checkpoint store)
+                                        control record in the checkpoint store, the same JSON)
 
 Each rank runs under `workers/elastic/launcher.py` in a session of its own (the process group
 id is the launcher's pid): it outlives the controller and its exit code is recorded anyway.
@@ -51,7 +51,6 @@ from spotrain.workflows.contract import (
 
 POLL_S = 0.25
 LIVE_POLL_S = 0.02  # a live stop's wait for parked ranks is part of the training pause
-ELASTIC_EVENT = "checkpoint-and-stop\n"
 START_FAILURE_WAIT_S = 10.0  # for every rank of a generation that failed before its first step
 TAIL_LINES, TAIL_BYTES = 5, 2000  # of a failed rank's output, for the job's fault message
 
@@ -320,8 +319,8 @@ class LocalRuntime:
         lost = [r for r in ranks if (r.record() or {}).get("node_id") in req.lost_node_ids]
         forced = self._kill(lost)
         if (req.graceful or req.live) and ranks:
-            raise_elastic_event(req)  # the control record every rank polls
-            _write_atomic(self.control_file(req.job, req.generation), ELASTIC_EVENT)  # fallback
+            record = raise_elastic_event(req)  # the control record every rank polls
+            _write_atomic(self.control_file(req.job, req.generation), json.dumps(record))
         parked: dict[int, int] = {}
         if req.live:  # ranks ack, then park alive (live.py): wait for every one to do either
             self._wait(
@@ -376,6 +375,12 @@ class LocalRuntime:
                     why = "exited 0 without the completion marker or an elastic event"
                 if why:
                     return self._failed(r, why, ranks, store, req.generation)
+            if not event and (parked := store.ack_steps(req.generation)):
+                # Live resize: a rank whose peer was lost parks holding its step; nobody
+                # asked it to, so the generation has failed (its survivors keep their state).
+                rank, step = min(parked.items())
+                why = f"lost a peer and parked holding step {step}"
+                return self._failed(ranks[rank], why, ranks, store, req.generation)
             if any(n.event_id not in req.known_events for n in notices):
                 return self._result("progress", store, req.generation, codes, notices)
             # A launcher lives a moment past writing its exit code: "completed" means gone.

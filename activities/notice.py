@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 from temporalio import activity
 
@@ -33,26 +34,24 @@ def reset_control(checkpoint: str, generation: int) -> None:
     store.write_next(generation, {"generation": None, "ranks": {}})  # no live placement yet
 
 
-def raise_elastic_event(req: StopRequest) -> None:
+def raise_elastic_event(req: StopRequest) -> dict[str, Any]:
     """Write the control record 'checkpoint and stop' for the generation (idempotent: a retry
-    rewrites the same event id)."""
-    JobStore(req.checkpoint).write_control(
-        req.generation,
-        {
-            "kind": "stop",
-            "event_id": f"stop-{req.job}-{req.generation}",
-            "time": time.time(),
-            "notice_at": req.notice_at.isoformat() if req.notice_at else None,
-            # live resize: the survivors' memory carries the state; a notice still gets one
-            "checkpoint": not req.live or req.notice_at is not None,
-        },
-    )
-    if req.notice_at is None or not activity.in_activity():
-        return
-    seconds = max(0.0, (datetime.now(UTC) - req.notice_at).total_seconds())
-    activity.metric_meter().create_histogram_float(
-        NOTICE_TO_RANKS, "reclaim notice acted on -> ranks' elastic event raised", "s"
-    ).record(seconds)
+    rewrites the same event id); the record, for a runtime's fallback file."""
+    record = {
+        "kind": "stop",
+        "event_id": f"stop-{req.job}-{req.generation}",
+        "time": time.time(),
+        "notice_at": req.notice_at.isoformat() if req.notice_at else None,
+        # live resize: the survivors' memory carries the state; a notice still gets one
+        "checkpoint": not req.live or req.notice_at is not None,
+    }
+    JobStore(req.checkpoint).write_control(req.generation, record)
+    if req.notice_at is not None and activity.in_activity():
+        seconds = max(0.0, (datetime.now(UTC) - req.notice_at).total_seconds())
+        activity.metric_meter().create_histogram_float(
+            NOTICE_TO_RANKS, "reclaim notice acted on -> ranks' elastic event raised", "s"
+        ).record(seconds)
+    return record
 
 
 def rank_notices(store: JobStore, generation: int) -> list[ReclaimNotice]:

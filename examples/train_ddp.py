@@ -97,8 +97,9 @@ def main() -> int:
     # A rank joining a live resize takes the survivors' state in `live.sync`, not the disk's.
     step = -1 if live.state_from_peers() else load(checkpoint.Checkpointer(), model, optim)
     x_all, y_all = dataset()
+    if args.record:
+        args.record.mkdir(parents=True, exist_ok=True)
     while s is not None:  # one pass per generation this process trains in
-        step = live.sync(model, optim, step)
         done = train(s, args, model, optim, step, (x_all, y_all), device)
         if done is None:
             return 0
@@ -116,26 +117,26 @@ def train(
     data: tuple[torch.Tensor, torch.Tensor],
     device: torch.device,
 ) -> int | None:
-    """Train this generation from `step`: None once the job is done, else the step reached
-    when the elastic event came (checkpointed if it asks) or a peer was lost (live)."""
+    """Train this generation from `step` (after taking the most advanced rank's state): None
+    once the job is done, else the step reached when the elastic event came (checkpointed if
+    it asks) or a peer was lost (live)."""
     if cuda := device.type == "cuda":
         torch.cuda.set_device(device)
     batch = s.batch_slice()
-    for group in optim.param_groups:
-        group["lr"] = float(s.scale_config.get("lr", 0.02))
     ckpt_every = int(s.scale_config.get("ckpt_every", 25))
-    ckpt = checkpoint.Checkpointer()
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     record = (
         # line-buffered: a rank killed without notice still leaves every step it took
         (args.record / f"gen-{s.generation}-rank-{s.rank}.jsonl").open("a", buffering=1)
         if args.record
         else None
     )
-    print(
-        f"gen {s.generation} rank {s.rank}/{s.world_size}: step {step}, batch {batch}", flush=True
-    )
-    try:
+    print(f"gen {s.generation} rank {s.rank}/{s.world_size}: step {step}, {batch}", flush=True)
+    try:  # (every collective, the first ones too, can meet a lost peer)
+        step = live.sync(model, optim, step)
+        for group in optim.param_groups:  # this world size's rate, over the restored state's
+            group["lr"] = float(s.scale_config.get("lr", 0.02))
+        ckpt = checkpoint.Checkpointer()
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         while step < s.total_steps:
             start = step * s.global_batch_size + batch.start
             idx = sample_indices(start, batch.stop - batch.start)

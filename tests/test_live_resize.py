@@ -5,22 +5,38 @@ that hangs sends the job back to its last checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
-from datetime import UTC, datetime
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from temporalio.testing import ActivityEnvironment
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from spotrain.activities.local import LocalRuntime
+from spotrain.activities.simulated import SimulatedCloud
 from spotrain.elastic.job_store import JobStore
-from spotrain.workflows.contract import GenerationPlan, Member
-from tests.test_train_ddp import GLOBAL_BATCH, TOTAL_STEPS, records, run_to_end, stop_generation
+from spotrain.workers.worker import workflow_worker
+from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member
+from spotrain.workflows.state import JobResult, JobStatus
+from tests.jobs import record_history
+from tests.test_control_channel import wait_status
+from tests.test_train_ddp import (
+    EXAMPLE,
+    GLOBAL_BATCH,
+    TOTAL_STEPS,
+    records,
+    run_to_end,
+    stop_generation,
+    watch,
+)
 from tests.test_train_ddp import plan as restart_plan
-from tests.test_train_ddp import watch
 
 pytest.importorskip("torch")
 
@@ -125,7 +141,11 @@ def test_a_rank_lost_without_notice_costs_at_most_the_step_in_flight(tmp_path: P
     assert not any(r.alive() for g in range(2) for r in rt._ranks("ddp", g))
 
 
-def test_a_survivor_that_hangs_sends_the_job_back_to_its_checkpoint(tmp_path: Path) -> None:
+def test_a_survivor_that_hangs_is_detected_and_the_others_go_on(tmp_path: Path) -> None:
+    """A parked survivor that never answers again: the new group does not form within the
+    collective timeout, the survivor that came parks again and the runtime reports the
+    failure; the hung one is killed and the next generation goes on from the other's memory.
+    With no survivor left at all, the job falls back to its last checkpoint."""
     env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt", term_grace_s=1)
     gen0 = plan(tmp_path, 0, [0, 1, 2])
     env.run(rt.start_generation, gen0)
@@ -133,24 +153,134 @@ def test_a_survivor_that_hangs_sends_the_job_back_to_its_checkpoint(tmp_path: Pa
     notice = stop_generation(
         env, rt, gen0, graceful=True, grace_s=30, live=True, notice_at=datetime.now(UTC)
     )
-    assert notice.held_step is not None
+    held = notice.held_step
+    assert held is not None
     hung = pids(rt, 0)[1]
     os.killpg(hung, signal.SIGSTOP)  # the rank and its launcher: parked, then never answer
     try:
         gen1 = plan(tmp_path, 1, [0, 1])
         env.run(rt.start_generation, gen1)
-        # Rank 0 waits for rank 1 in the new group for the collective timeout (5 s), then fails.
+        # Rank 0 waits for rank 1 in the new group for the collective timeout (5 s).
         deadline = time.monotonic() + 60
         while (result := watch(env, rt, gen1)).outcome == "progress":
             assert time.monotonic() < deadline, "the hung survivor was never detected"
-        assert result.outcome == "failed", result
+        assert result.outcome == "failed" and "lost a peer" in (result.detail or ""), result
         stop = stop_generation(env, rt, gen1, graceful=False, grace_s=6, live=True)
-        assert stop.held_step is None and stop.forced  # nothing parked: restart from disk
+        assert stop.acked_ranks == [0] and stop.forced and stop.held_step == held
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(hung, signal.SIGCONT)
     gen2 = plan(tmp_path, 2, [0, 1])
     env.run(rt.start_generation, gen2)
-    run_to_end(env, rt, gen2)
-    assert JobStore(gen2.checkpoint).loaded_step(2) == notice.checkpoint_step
-    assert not any(r.alive() for g in range(3) for r in rt._ranks("ddp", g))
+    run_until(env, rt, gen2, held + 12)
+    log = rt.log_path("ddp", 0, 2).read_text()
+    assert pids(rt, 2)[0] == pids(rt, 0)[0], log
+    assert records(tmp_path, 2)[0][0]["step"] == held + 1  # from memory, not a restart
+
+    # Every survivor gone (killed while parked): the job's next generation loads from disk.
+    again = stop_generation(env, rt, gen2, graceful=True, grace_s=30, live=True)
+    assert again.held_step is not None
+    rt._kill(rt._ranks("ddp", 2))
+    gen3 = plan(tmp_path, 3, [0, 1])
+    latest = JobStore(gen3.checkpoint).latest_checkpoint()["step"]
+    env.run(rt.start_generation, gen3)
+    run_to_end(env, rt, gen3)
+    assert JobStore(gen3.checkpoint).loaded_step(3) == latest < again.held_step
+    assert records(tmp_path, 3)[0][0]["step"] == latest + 1
+    assert not any(r.alive() for g in range(4) for r in rt._ranks("ddp", g))
+
+
+async def test_a_live_job_through_a_notice_a_loss_and_growth(
+    dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """The real TrainingJob on the local runtime and the simulated cloud, `resize: live`: a
+    reclaim notice shrinks it and the replacement grows it back, a node lost without notice
+    costs at most a step, and rank 0's process trains through every generation."""
+    runtime = LocalRuntime(tmp_path / "rt", term_grace_s=2)
+    cloud = SimulatedCloud(zones=["us-east-1a"])
+    name = f"live-{uuid.uuid4().hex[:8]}"
+    spec = {
+        "name": name,
+        "type": "pytorch",
+        "command": [
+            sys.executable,
+            str(EXAMPLE),
+            "--record",
+            str(tmp_path / "rec"),
+            "--step-time",
+            "0.03",
+        ],
+        "total_steps": 1200,
+        "global_batch_size": GLOBAL_BATCH,
+        "scale_config": {n: {"lr": 0.02, "ckpt_every": 100} for n in (1, 2, 3)},
+        "checkpoint": f"file://{tmp_path / 'ckpt'}",
+        "cleanup": "never",  # rank logs stay for the checks below
+        "elastic": {
+            "min_nodes": 1,
+            "max_nodes": 3,
+            "resize": "live",
+            "collective_timeout_s": 10,
+            "graceful_shutdown_timeout_s": 20,
+            "scaling_timeout_s": 1,
+            "faulty_scale_down_timeout_s": 0,
+            "capacity_check_interval_s": 1,
+            "progress_report_interval_s": 0.5,
+        },
+        "spot": {
+            "instance_types": [
+                {"name": "m5.large", "gpus": 0, "on_demand_price": 0.096, "spot_price": 0.035}
+            ],
+            "zones": ["us-east-1a"],
+        },
+        "on_demand": {"fallback": False},
+    }
+    with ThreadPoolExecutor(8) as pool:
+        async with workflow_worker(
+            dev_env.client,
+            name,
+            cloud.activities() + runtime.activities(),
+            activity_executor=pool,
+        ):
+            handle = await dev_env.client.start_workflow(
+                "TrainingJob", spec, id=name, task_queue=name, result_type=JobResult
+            )
+            try:
+                try:
+                    status = await wait_status(handle, lambda s: s.world_size == 3 and s.step > 10)
+                except AssertionError:
+                    st = await handle.query("status", result_type=JobStatus)
+                    raise AssertionError([(e.event, e.detail) for e in st.timeline]) from None
+                first = status.generation
+                noticed = status.nodes[-1].node_id or ""
+                deadline = datetime.now(UTC) + timedelta(seconds=120)
+                await handle.signal("reclaim", {"node_id": noticed, "deadline": deadline})
+                status = await wait_status(
+                    handle, lambda s: s.generation >= first + 2 and s.world_size == 3, 90
+                )
+                grown = status.step
+                status = await wait_status(handle, lambda s: s.step > grown + 10)
+                lost = next(n.node_id for n in status.nodes if n.rank == 2 and n.node_id)
+                assert runtime.kill_node(name, lost), "no rank ran on the node to lose"
+                cloud.reclaim(lost)
+                await handle.signal("node_lost", {"node_id": lost, "event_id": f"lost-{lost}"})
+                result = await asyncio.wait_for(handle.result(), 240)
+                await record_history(handle, "live_resize")
+                log = runtime.log_path(name, rank=0, generation=first).read_text()
+            finally:
+                with contextlib.suppress(Exception):
+                    await handle.cancel()
+                runtime.cleanup_job(CleanupRequest(job=name))
+    parked = [e for e in result.timeline if e.event == "generation parked (live resize)"]
+    print(
+        "\n".join(
+            f"{e.time:%H:%M:%S.%f} {e.generation} {e.event}: {e.detail}" for e in result.timeline
+        )
+    )
+    assert len(parked) >= 4, [(e.generation, e.event, e.detail) for e in result.timeline]
+    gone = [e.detail for e in result.timeline if e.event == "node gone"]
+    assert gone == [f"spot {noticed}: reclaimed", f"spot {lost}: lost"], result.timeline
+    assert result.steps_lost <= 1, result
+    # One process was rank 0 from the first generation to the end: never restarted.
+    trained_in = {int(line.split()[1]) for line in log.splitlines() if line.startswith("gen ")}
+    last = max(e.generation for e in result.timeline)
+    assert trained_in == set(range(first, last + 1)), log

@@ -31,6 +31,7 @@ def test_histories_were_recorded() -> None:
         "pool_shrunk_job",
         "pool_preempted_job",
         "make_before_break_swap",
+        "live_resize",
         "deadline_switch",
     }
     assert required <= scenarios, f"missing {required - scenarios}: tests/record_histories.py"

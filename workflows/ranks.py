@@ -117,7 +117,9 @@ class Ranks:
             StopRequest(
                 **self._generation(),
                 graceful=graceful,
-                grace_s=max(grace, s.spec.elastic.collective_timeout_s) if live else grace,
+                # (live: a rank in a collective with a lost peer, or forming the new group
+                # with one, parks once that times out)
+                grace_s=grace + 2 * s.spec.elastic.collective_timeout_s if live else grace,
                 lost_node_ids=lost,
                 notice_at=notice_at,
                 live=live,

@@ -23,6 +23,7 @@ outage, and once when the source answers again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -79,7 +80,8 @@ class _Changes:
 
 
 class ControlFile:
-    """The runtime's control file: non-empty content is the elastic event."""
+    """The runtime's control file: non-empty content is the elastic event (the control record
+    as JSON where the runtime writes it, any text otherwise)."""
 
     name = "control file"
 
@@ -88,8 +90,14 @@ class ControlFile:
         self.interval_s = interval_s
 
     def poll(self) -> dict[str, Any] | None:
-        text = self.changes.read_if_changed()
-        return {"kind": STOP, "detail": text.strip()} if text and text.strip() else None
+        text = (self.changes.read_if_changed() or "").strip()
+        if not text:
+            return None
+        with contextlib.suppress(json.JSONDecodeError):  # the control record itself (local)
+            record = json.loads(text)
+            if isinstance(record, dict) and record.get("kind") == STOP:
+                return record
+        return {"kind": STOP, "detail": text}
 
 
 class StoreRecord:

@@ -81,7 +81,8 @@ def wants_checkpoint() -> bool:
 
 
 def peer_failed(err: BaseException) -> bool:
-    """True if `err` is a collective that failed because a peer vanished or timed out."""
+    """True if `err` is a collective (or the forming of a group) that failed because a peer
+    vanished or timed out."""
     if isinstance(err, dist.DistError):
         return True
     text = str(err)
@@ -116,21 +117,38 @@ def next_generation(step: int) -> elastic.Settings | None:
     """Park holding `step` in memory until the runtime places this rank in the next
     generation; then re-form the process group and return the new settings. None: this
     rank leaves (restart mode, not adopted, no next generation in time, or SIGTERM)."""
-    s = elastic.settings()
-    elastic.store().write_ack(s.generation, s.rank, step, time.time())
-    if not enabled():
-        return None
-    env = _wait_for_place(s)
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    with contextlib.suppress(Exception):  # the old group may have lost a peer: drop it anyway
+    while True:
+        s = elastic.settings()
+        elastic.store().write_ack(s.generation, s.rank, step, time.time())
+        if not enabled():
+            return None
+        env = _wait_for_place(s)
+        _drop_groups()
+        if env is None:
+            return None
+        os.environ.update(env)
+        new = elastic.next_generation_settings()
+        elastic.wait_for_gang()
+        try:
+            dist.init_process_group(backend, timeout=collective_timeout())
+        except Exception as err:
+            if not peer_failed(err):
+                raise
+            # A peer did not come (died or hung on the way): park again in this generation,
+            # still holding `step`; the runtime sees a parked rank nobody stopped as a fault.
+            print(f"rank {new.rank}: the new group did not form: {err}", flush=True)
+            continue
+        return new
+
+
+def _drop_groups() -> None:
+    """Tear every process group down, even one that lost a peer or never formed."""
+    with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    if env is None:
-        return None
-    os.environ.update(env)
-    new = elastic.next_generation_settings()
-    elastic.wait_for_gang()
-    dist.init_process_group(backend, timeout=collective_timeout())
-    return new
+    # A group that failed to form is never destroyed, but it counted: every rank of the next
+    # group must derive the same store keys from this count (a new process starts at 0).
+    dist.distributed_c10d._world.group_count = 0
 
 
 def _wait_for_place(s: elastic.Settings) -> dict[str, str] | None:

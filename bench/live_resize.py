@@ -1,0 +1,228 @@
+"""Training pause per resize, restart mode vs live mode, side by side in one run.
+
+    .venv/bin/python -m bench.live_resize [--reclaims 20] [--losses 20] [--step-time 0.02]
+
+The whole path as a user runs it: the real TrainingJob workflow on the Temporal dev server,
+the simulated cloud (always capacity) and the local runtime starting real PyTorch DDP ranks
+(examples/train_ddp.py: gloo, CPU, 3 ranks, 20 ms steps). The same job runs twice, with
+`elastic.resize: restart` and `live`. Each job gets `--reclaims` reclaim notices (a shrink,
+then growth back when the replacement is ready) and `--losses` nodes lost without notice (a
+shrink at once, then growth back), one at a time, each once the job is back at full size
+and has trained a few steps.
+
+- pause: from the last step any rank finished in one generation to the first step of the
+  next (the ranks' own step records), by what the resize was (the job's timeline):
+  shrink on a notice, growth, loss without notice.
+- steps lost per loss without notice: steps the ranks had done in the generation beyond
+  where the next one resumed (restart mode: back to the last periodic checkpoint, every
+  `--ckpt-every` steps; live mode: at most the step in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client, WorkflowHandle
+
+from spotrain.activities.local import LocalRuntime
+from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workers.worker import workflow_worker
+from spotrain.workflows.contract import CleanupRequest
+from spotrain.workflows.state import JobStatus, Phase, TimelineEntry
+
+from .common import REPO, dev_server, publish, summary
+
+NODES, GLOBAL_BATCH = 3, 48
+KINDS = ("shrink on notice", "growth", "loss without notice")
+COLUMNS = ["kind", "mode", "n", "median", "p99", "min", "max", "restart/live"]
+
+
+def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Namespace) -> dict:
+    return {
+        "name": name,
+        "type": "pytorch",
+        "command": [
+            sys.executable,
+            str(REPO / "examples" / "train_ddp.py"),
+            "--record",
+            str(record),
+            "--step-time",
+            str(args.step_time),
+        ],
+        "total_steps": 10**7,
+        "global_batch_size": GLOBAL_BATCH,
+        "scale_config": {n: {"lr": 0.02, "ckpt_every": args.ckpt_every} for n in (1, 2, 3)},
+        "checkpoint": f"file://{root / 'ckpt' / name}",
+        "elastic": {
+            "min_nodes": 1,
+            "max_nodes": NODES,
+            "resize": mode,
+            "graceful_shutdown_timeout_s": 60,
+            "scaling_timeout_s": 1,
+            "faulty_scale_down_timeout_s": 0,
+            "capacity_check_interval_s": 1,
+            "progress_report_interval_s": 0.5,
+            "max_restarts": 1000,
+        },
+        "spot": {
+            "instance_types": [
+                {"name": "m5.large", "gpus": 0, "on_demand_price": 0.096, "spot_price": 0.035}
+            ],
+            "zones": ["us-east-1a"],
+        },
+        "on_demand": {"fallback": False},
+    }
+
+
+async def status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
+    return await handle.query("status", result_type=JobStatus)
+
+
+async def back_at_full_size(handle: WorkflowHandle[Any, Any], after: int, steps: int) -> JobStatus:
+    """Wait until the job runs a generation after `after` at full size and has trained
+    `steps` steps in it (so the next reclaim never lands in the middle of a resize)."""
+    deadline = time.monotonic() + 300
+    while True:
+        s = await status(handle)
+        if s.generation > after and s.world_size == NODES and s.phase == Phase.RUNNING:
+            base = s.step
+            while (s := await status(handle)).step < base + steps:
+                assert s.generation > after and time.monotonic() < deadline, s.timeline[-5:]
+                await asyncio.sleep(0.1)
+            return s
+        assert time.monotonic() < deadline, f"not back at full size: {s.timeline[-5:]}"
+        await asyncio.sleep(0.1)
+
+
+def step_records(record: Path) -> dict[int, list[dict[str, Any]]]:
+    """Generation -> every rank's step records in it."""
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for f in record.glob("gen-*-rank-*.jsonl"):
+        generation = int(f.name.split("-")[1])
+        out[generation] += [json.loads(line) for line in f.read_text().splitlines()]
+    return out
+
+
+def kind_of(stop: TimelineEntry) -> str | None:
+    detail = stop.detail
+    if detail.startswith("reclaim notice"):
+        return "shrink on notice"
+    if detail.startswith("grow"):
+        return "growth"
+    if " lost" in detail or detail.startswith("fault"):
+        return "loss without notice"
+    return None
+
+
+def pauses(timeline: list[TimelineEntry], record: Path) -> dict[str, Any]:
+    """Pause per resize by kind, and steps lost per loss, from the step records."""
+    steps = step_records(record)
+    stops = [
+        e for e in timeline if e.event.startswith("generation ") and e.event != "generation started"
+    ]
+    out: dict[str, list[float]] = {k: [] for k in KINDS}
+    lost: list[int] = []
+    for stop in stops:
+        kind, g = kind_of(stop), stop.generation
+        before, after = steps.get(g), steps.get(g + 1)
+        if kind is None or not before or not after:
+            continue  # (the last generation, cancelled at the end)
+        out[kind].append(min(e["time"] for e in after) - max(e["time"] for e in before))
+        if kind == "loss without notice":
+            lost.append(max(e["step"] for e in before) - (min(e["step"] for e in after) - 1))
+    return {"pause_s": out, "steps_lost": lost}
+
+
+async def run_mode(
+    client: Client, mode: str, root: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    runtime, cloud = LocalRuntime(root / "rt", term_grace_s=2), SimulatedCloud(zones=["us-east-1a"])
+    name = f"live-bench-{mode}-{uuid.uuid4().hex[:6]}"
+    record = root / "records" / name
+    with ThreadPoolExecutor(8) as pool:
+        async with workflow_worker(
+            client, name, cloud.activities() + runtime.activities(), activity_executor=pool
+        ):
+            handle = await client.start_workflow(
+                "TrainingJob", job_spec(name, mode, record, root, args), id=name, task_queue=name
+            )
+            try:
+                s = await back_at_full_size(handle, 0, 10)
+                for i in range(args.reclaims + args.losses):
+                    victim = next(n.node_id for n in s.nodes if n.rank == 1 and n.node_id)
+                    if i < args.reclaims:
+                        deadline = datetime.now(UTC) + timedelta(seconds=120)
+                        await handle.signal("reclaim", {"node_id": victim, "deadline": deadline})
+                    else:
+                        runtime.kill_node(name, victim)
+                        cloud.reclaim(victim)
+                        await handle.signal("node_lost", {"node_id": victim, "event_id": victim})
+                    s = await back_at_full_size(handle, s.generation, 10)
+                    print(f"{mode}: {i + 1} of {args.reclaims + args.losses} done", file=sys.stderr)
+                timeline = await handle.query("timeline", result_type=list[TimelineEntry])
+            finally:
+                await handle.cancel()
+                runtime.cleanup_job(CleanupRequest(job=name))
+    return pauses(timeline, record)
+
+
+async def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="spotrain-live-bench-") as tmp:
+        async with dev_server() as env:
+            return {mode: await run_mode(env.client, mode, Path(tmp), args) for mode in args.modes}
+
+
+def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tuple[dict, list]:
+    rows = []
+    for kind in KINDS:
+        stats = {m: summary(measured[m]["pause_s"][kind]) for m in measured}
+        for mode, st in stats.items():
+            ratio = None
+            if mode == "live" and stats.get("restart", {}).get("n") and st.get("n"):
+                ratio = stats["restart"]["median"] / st["median"]
+            rows.append({"kind": kind, "mode": mode, **st, "restart/live": ratio})
+    for mode in measured:
+        lost = [float(v) for v in measured[mode]["steps_lost"]]
+        rows.append({"kind": "steps lost per loss", "mode": mode, **summary(lost)})
+    out = {
+        "benchmark": "live_resize",
+        "settings": {
+            "nodes": NODES,
+            "step_time_s": args.step_time,
+            "ckpt_every": args.ckpt_every,
+            "reclaims": args.reclaims,
+            "losses": args.losses,
+        },
+        "rows": rows,
+        "raw": measured,
+    }
+    return out, rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reclaims", type=int, default=20, help="reclaim notices per mode")
+    parser.add_argument("--losses", type=int, default=20, help="losses without notice per mode")
+    parser.add_argument("--step-time", type=float, default=0.02, help="sleep per step (s)")
+    parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint (steps)")
+    parser.add_argument("--modes", nargs="+", default=["restart", "live"])
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "live_resize.json")
+    args = parser.parse_args(argv)
+    out, rows = report(asyncio.run(run(args)), args)
+    publish(out, rows, COLUMNS, args.out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
