@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 WARN_FRACTION = 0.8
+SOONEST = timedelta(milliseconds=1)
+LONGEST_WAIT_H = 24.0  # a cap further away is looked at again then (and at every turn)
 
 Verdict = Literal["under", "warn", "reached"]
 
@@ -34,10 +36,13 @@ def verdict(b: BudgetState, spent: float) -> Verdict:
 
 
 def reached_at(b: BudgetState, spent: float, usd_per_hour: float, now: datetime) -> datetime | None:
-    """When the spend reaches the cap at this rate (None: nothing is billed, it never does)."""
+    """When the spend reaches the cap at this rate, or in a day if later (None: nothing is
+    billed, it never does). Never `now` itself: a cap already reached pauses the job before
+    this is asked, and a wake due at once (a cent's rounding short) would spin the loop."""
     if usd_per_hour <= 0:
         return None
-    return now + timedelta(hours=max(0.0, b.cap_usd - spent) / usd_per_hour)
+    hours = max(0.0, b.cap_usd - spent) / usd_per_hour
+    return now + max(timedelta(hours=min(hours, LONGEST_WAIT_H)), SOONEST)
 
 
 def spent_of(b: BudgetState, spent: float) -> str:
