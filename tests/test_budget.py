@@ -15,6 +15,7 @@ from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.cli import parser
+from spotrain.workers.report import Report, tables
 from spotrain.workflows import budget
 from spotrain.workflows.budget import BudgetState
 from spotrain.workflows.spec import SpecError, parse_spec
@@ -148,6 +149,13 @@ async def test_job_pauses_at_its_budget_and_resumes_once_it_is_raised(
     assert result.phase == "Succeeded" and result.steps_done == 36_000
     assert result.steps_lost == 0 and 9.5 < result.total_cost < 20
     assert sim.cloud.running(name) == []
+    shown = tables(Report.from_result(result))  # `spotrain report`
+    assert ["budget", "", "$20.00"] in [list(row) for row in zip(*cells(shown), strict=True)]
+
+
+def cells(shown: Any) -> list[list[str]]:
+    """The cost table's columns, as the terminal would show them."""
+    return [list(column.cells) for column in shown.renderables[-1].columns]
 
 
 async def test_budget_pause_and_raise_on_the_dev_server(dev_env: WorkflowEnvironment) -> None:

@@ -299,7 +299,6 @@ class JobState(BaseModel):
             cost_so_far=round(accounts["total_cost"], 4),
             pool=self.spec.pool.name if self.spec.pool else None,
             pool_grant=self.grant.nodes if self.grant else None,
-            budget_usd=self.budget.cap_usd if self.budget else None,
             paused_reason=self.paused_reason if self.phase == Phase.PAUSED else None,
             nodes=[
                 NodeView(
@@ -350,6 +349,7 @@ class JobState(BaseModel):
             "checkpoints": self.checkpoint_report(now),
             # (as data: the workflow sandbox may hold its own copy of the model's class)
             "deadline": self.deadline.model_dump() if self.deadline else None,
+            "budget_usd": self.budget.cap_usd if self.budget else None,
         }
 
     def checkpoint_report(self, now: datetime) -> CheckpointReport | None:
@@ -393,6 +393,7 @@ class JobAccounts(BaseModel):
     deadline: DeadlineState | None = Field(
         None, description="deadline jobs: the deadline, mode, slack at each check, switches"
     )
+    budget_usd: float | None = Field(None, description="the spend cap (None: no cap)")
     timeline: list[TimelineEntry]
 
 
@@ -409,7 +410,6 @@ class JobStatus(JobAccounts):
     nodes: list[NodeView]
     pool: str | None = None
     pool_grant: int | None = Field(None, description="nodes its pool lets it hold now")
-    budget_usd: float | None = Field(None, description="the spend cap now (None: no cap)")
     paused_reason: str | None = Field(None, description="while paused: why")
 
 
