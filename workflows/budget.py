@@ -38,7 +38,8 @@ def verdict(b: BudgetState, spent: float) -> Verdict:
 def reached_at(b: BudgetState, spent: float, usd_per_hour: float, now: datetime) -> datetime | None:
     """When the spend reaches the cap at this rate, or in a day if later (None: nothing is
     billed, it never does). Never `now` itself: a cap already reached pauses the job before
-    this is asked, and a wake due at once (a cent's rounding short) would spin the loop."""
+    this is asked, and a wake due at once (the spend a float's rounding short of the cap)
+    would spin the loop."""
     if usd_per_hour <= 0:
         return None
     hours = max(0.0, b.cap_usd - spent) / usd_per_hour

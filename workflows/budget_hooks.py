@@ -14,10 +14,12 @@ from spotrain.workflows.state import JobState, NodeState, Phase
 
 
 def active(s: JobState) -> bool:
+    """The job has a cap (the patch is asked, and so recorded, only then)."""
     return s.budget is not None and workflow.patched("job-budget")
 
 
 def spent(s: JobState, now: datetime) -> float:
+    """USD spent so far: the job's own accounts, as `status` shows them."""
     return sum(s.costs(now)[1].values())
 
 
