@@ -228,7 +228,14 @@ async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) 
 
     report = (await cli("report", name, "--json")).json()
     assert (report["phase"], report["finished"], report["steps_done"]) == ("Succeeded", True, 120)
-    assert set(report["cost"]) == {"total", "spot", "on_demand", "all_on_demand", "savings"}
+    assert set(report["cost"]) == {
+        "total",
+        "spot",
+        "on_demand",
+        "all_on_demand",
+        "savings",
+        "budget",
+    }
     assert report["cost"]["savings"] > 0.5  # all spot at 0.97 versus 3.06 on demand
     assert report["cost"]["spot"] == pytest.approx(report["cost"]["total"])
 
