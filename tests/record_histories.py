@@ -26,6 +26,7 @@ RECORDING = [
     "tests/test_cannot_start.py",
     "tests/test_deadline.py",
     "tests/test_live_resize.py",
+    "tests/test_budget.py",
 ]
 
 

@@ -228,7 +228,14 @@ async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) 
 
     report = (await cli("report", name, "--json")).json()
     assert (report["phase"], report["finished"], report["steps_done"]) == ("Succeeded", True, 120)
-    assert set(report["cost"]) == {"total", "spot", "on_demand", "all_on_demand", "savings"}
+    assert set(report["cost"]) == {
+        "total",
+        "spot",
+        "on_demand",
+        "all_on_demand",
+        "savings",
+        "budget",
+    }
     assert report["cost"]["savings"] > 0.5  # all spot at 0.97 versus 3.06 on demand
     assert report["cost"]["spot"] == pytest.approx(report["cost"]["total"])
 
@@ -327,6 +334,25 @@ async def test_logs_of_the_local_runtime(cli: Cli, tmp_path: Path) -> None:
     assert r.out == "rank 1 of generation 1\n", r
     r = await cli("logs", "job-a", "--rank", "7", "--state-dir", str(tmp_path))
     assert (r.code, "no log for job-a rank 7" in r.err) == (1, True), r
+
+
+async def test_a_job_paused_at_its_budget_resumes_once_raised(cli: Cli, tmp_path: Path) -> None:
+    pricey = {"name": "p3.2xlarge", "gpus": 1, "on_demand_price": 30.6, "spot_price": 9.7}
+    spec = fast_spec(budget_usd=0.05, spot={"instance_types": [pricey]})  # ~5 s of 4 nodes
+    name = spec["name"]
+    assert (await cli("submit", str(write(tmp_path, spec)))).code == 0
+    await cli.until(name, lambda s: s.phase == "Paused")
+    r = await cli("status", name)
+    assert "(budget $0.05)" in r.out and "paused: budget reached: $0.05 of $0.05" in r.out, r
+    r = await cli("resume", name)
+    assert (r.code, "budget spent: $0.05 of $0.05; raise it first" in r.err) == (1, True), r
+    r = await cli("budget", name, "--usd", "0")
+    assert (r.code, "positive number of USD" in r.err) == (2, True), r
+    r = await cli("budget", name, "--usd", "1")
+    assert (r.code, "budget set: $0.05 of $1.00" in r.out) == (0, True), r
+    assert (await cli("resume", name)).code == 0
+    done = await cli.until(name, lambda s: s.phase == "Succeeded")
+    assert done.step == 600 and done.budget_usd == 1.0 and done.paused_reason is None
 
 
 async def test_help_everywhere_has_examples(cli: Cli) -> None:

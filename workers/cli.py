@@ -45,9 +45,9 @@ from temporalio.service import RPCError, RPCStatusCode
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.connect import TASK_QUEUE, Unreachable, connect
 from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
-from spotrain.workflows import attributes, deadline
+from spotrain.workflows import attributes, budget, deadline
 from spotrain.workflows.checkpoints import describe
-from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut
+from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut, SetBudget
 from spotrain.workflows.pool import POOL_ID_PREFIX, PoolConfig, PoolStatus, pool_workflow_id
 from spotrain.workflows.spec import SpecError, describe_errors, parse_spec
 from spotrain.workflows.state import JobResult, JobStatus, Phase, TimelineEntry
@@ -166,9 +166,12 @@ def status_view(s: JobStatus) -> Group:
     head = (
         f"[bold]{s.name}[/] {s.phase}   generation {s.generation}   world size {s.world_size} "
         f"(target {s.target_nodes} nodes)   step {s.step}/{s.total_steps} "
-        f"(checkpoint {s.checkpoint_step})   cost so far ${s.cost_so_far:,.2f}\n"
-        f"reclaims {s.reclaims}   faults {s.faults}   resizes {s.resizes}   "
-        f"steps lost {s.steps_lost}" + (f"\n[red]{s.failure}[/]" if s.failure else "")
+        f"(checkpoint {s.checkpoint_step})   cost so far ${s.cost_so_far:,.2f}"
+        + (f" (budget ${s.budget_usd:,.2f})" if s.budget_usd is not None else "")
+        + f"\nreclaims {s.reclaims}   faults {s.faults}   resizes {s.resizes}   "
+        f"steps lost {s.steps_lost}"
+        + (f"\n[red]{s.failure}[/]" if s.failure else "")
+        + (f"\n[yellow]paused: {s.paused_reason}[/]" if s.paused_reason else "")
     )
     if s.checkpoints:
         head += "\n" + describe(s.checkpoints)
@@ -393,6 +396,10 @@ async def cmd_pause(args: argparse.Namespace) -> int:
 
 async def cmd_resume(args: argparse.Namespace) -> int:
     return await update(args, "resume", Empty())
+
+
+async def cmd_budget(args: argparse.Namespace) -> int:
+    return await update(args, "set_budget", SetBudget(usd=args.usd))
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
@@ -730,6 +737,13 @@ def seconds(text: str) -> float:
     return value
 
 
+def usd(text: str) -> float:
+    value = float(text)
+    if error := budget.set_error(value):
+        raise argparse.ArgumentTypeError(error)
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spotrain",
@@ -815,6 +829,14 @@ def parser() -> argparse.ArgumentParser:
 
     named("pause", cmd_pause, "checkpoint and release every node", "  spotrain pause my-job")
     named("resume", cmd_resume, "order nodes again and continue", "  spotrain resume my-job")
+    c = named(
+        "budget",
+        cmd_budget,
+        "set a job's total spend cap (a job paused at its cap resumes once it is raised)",
+        "  spotrain budget my-job --usd 250\n  spotrain budget my-job --usd 400 && "
+        "spotrain resume my-job",
+    )
+    c.add_argument("--usd", type=usd, required=True, metavar="USD", help="the new cap in USD")
     named("cancel", cmd_cancel, "stop a job and release all it owns", "  spotrain cancel my-job")
 
     c = named(

@@ -12,7 +12,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -41,6 +41,7 @@ class Cost(BaseModel):
     on_demand: float | None = None
     all_on_demand: float | None = None
     savings: float | None = None
+    budget: float | None = Field(None, description="the job's spend cap, if it has one")
 
 
 class Report(BaseModel):
@@ -81,6 +82,7 @@ class Report(BaseModel):
                 on_demand=a.cost.get("on-demand", 0.0),
                 all_on_demand=a.all_on_demand_cost,
                 savings=a.savings,
+                budget=a.budget_usd,
             ),
             checkpoints=a.checkpoints,
             deadline=a.deadline,
@@ -136,6 +138,8 @@ def tables(report: Report) -> Group:
     cost.add_row("all on-demand", "", _usd(report.cost.all_on_demand))
     savings = report.cost.savings
     cost.add_row("savings", "", "-" if savings is None else f"{savings:.0%}")
+    if report.cost.budget is not None:
+        cost.add_row("budget", "", _usd(report.cost.budget))
     return Group(summary, timeline, cost)
 
 

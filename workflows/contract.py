@@ -65,6 +65,12 @@ class Empty(Message):
     """Payload of `pause` and `resume`."""
 
 
+class SetBudget(Message):
+    """Update `set_budget`: the job's spend cap becomes `usd` (the validator says if not)."""
+
+    usd: float
+
+
 # --- capacity pools: what a job and its pool tell each other (signals both ways) ---------
 
 

@@ -261,6 +261,13 @@ class JobSpec(Strict):
     priority: int = Field(0, description="higher runs first when capacity is short")
     pool: PoolMembership | None = Field(None, description="None: unconstrained by any pool")
     deadline: DeadlinePolicy | None = Field(None, description="None: no deadline, spot first")
+    budget_usd: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="total spend cap in USD: reaching it pauses the job after a checkpoint "
+        "(`spotrain budget` raises it); None: no cap",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

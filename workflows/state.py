@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from spotrain.workflows.budget import BudgetState
 from spotrain.workflows.checkpoints import CheckpointReport, CheckpointStats, report
 from spotrain.workflows.contract import Lifecycle, PoolGrant, StopResult, WatchResult
 from spotrain.workflows.deadline import DeadlineState
@@ -173,6 +174,8 @@ class JobState(BaseModel):
         None, description="the last timed scale-out's outcome, by number"
     )
     deadline: DeadlineState | None = Field(None, description="the deadline policy's state")
+    budget: BudgetState | None = Field(None, description="the spend cap (None: no cap)")
+    paused_reason: str | None = Field(None, description="why the job was last paused")
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -182,6 +185,7 @@ class JobState(BaseModel):
             target=initial,
             ceiling=spec.elastic.max_nodes,
             owed=initial - spec.on_demand.base_nodes,
+            budget=BudgetState(cap_usd=spec.budget_usd) if spec.budget_usd else None,
         )
 
     def node(self, slot: int) -> NodeRecord:
@@ -298,6 +302,7 @@ class JobState(BaseModel):
             cost_so_far=round(accounts["total_cost"], 4),
             pool=self.spec.pool.name if self.spec.pool else None,
             pool_grant=self.grant.nodes if self.grant else None,
+            paused_reason=self.paused_reason if self.phase == Phase.PAUSED else None,
             nodes=[
                 NodeView(
                     node_id=n.node_id,
@@ -347,6 +352,7 @@ class JobState(BaseModel):
             "checkpoints": self.checkpoint_report(now),
             # (as data: the workflow sandbox may hold its own copy of the model's class)
             "deadline": self.deadline.model_dump() if self.deadline else None,
+            "budget_usd": self.budget.cap_usd if self.budget else None,
         }
 
     def checkpoint_report(self, now: datetime) -> CheckpointReport | None:
@@ -390,6 +396,7 @@ class JobAccounts(BaseModel):
     deadline: DeadlineState | None = Field(
         None, description="deadline jobs: the deadline, mode, slack at each check, switches"
     )
+    budget_usd: float | None = Field(None, description="the spend cap (None: no cap)")
     timeline: list[TimelineEntry]
 
 
@@ -406,6 +413,7 @@ class JobStatus(JobAccounts):
     nodes: list[NodeView]
     pool: str | None = None
     pool_grant: int | None = Field(None, description="nodes its pool lets it hold now")
+    paused_reason: str | None = Field(None, description="while paused: why")
 
 
 class JobResult(JobAccounts):

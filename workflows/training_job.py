@@ -26,6 +26,8 @@ from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_
 with workflow.unsafe.imports_passed_through():
     from spotrain.workflows import (
         attributes,
+        budget,
+        budget_hooks,
         calls,
         deadline_hooks,
         events,
@@ -43,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         ReclaimNotice,
         ScaleIn,
         ScaleOut,
+        SetBudget,
         WatchResult,
     )
     from spotrain.workflows.fleet import Fleet, unless_cancelled
@@ -203,6 +206,17 @@ class TrainingJob:
         s = self._active_state()
         if s.phase != Phase.PAUSED and not any(isinstance(e, events.Pause) for e in s.inbox):
             raise ValueError("not paused")
+        if error := budget_hooks.resume_error(s, self._now()):
+            raise ValueError(error)
+
+    @workflow.update(name="set_budget")
+    def set_budget(self, req: SetBudget) -> str:
+        return budget_hooks.set_cap(self._active_state(), req.usd, self._now())
+
+    @set_budget.validator
+    def _check_set_budget(self, req: SetBudget) -> None:
+        if error := budget.set_error(req.usd):
+            raise ValueError(error)
 
     @workflow.query(name="status")
     def status(self) -> JobStatus:
@@ -232,6 +246,8 @@ class TrainingJob:
             if self.fleet.fatal:
                 raise JobFailed(self.fleet.fatal)
             await self._handle_inbox()
+            if why := budget_hooks.check(s, self._now()):
+                await self._pause(why)
             await self.pool.report()
             if s.phase in (Phase.PAUSED, Phase.QUEUED):
                 await workflow.wait_condition(lambda: bool(s.inbox))
@@ -284,6 +300,7 @@ class TrainingJob:
             "grow once the scaling timeout has passed": self._growth_at(),
             "next progress report": None if watch else self.ranks.next_watch,
             "a warned node's replacement is late: shrink": self.swapper.wake(),
+            "budget reached at this spend rate": budget_hooks.wake(s, self._now()),
         }
         soonest = min(((w, why) for why, w in wake.items() if w is not None), default=None)
         await self._wait(
@@ -439,10 +456,7 @@ class TrainingJob:
                     )
                     await self._remove(down.victims, "scale in", "scaled in")
                 case events.Pause():
-                    timed_scale_out.answer(s, f"paused; the target stays {s.target} nodes")
-                    await self._release_everything("pause", "requested by user", "paused")
-                    self._set_phase(Phase.PAUSED)
-                    s.record(self._now(), "paused")
+                    await self._pause("requested by user")
                 case events.Resume() if s.phase == Phase.PAUSED:
                     await self._on_resume()
                 case events.Grant(grant=grant) if s.phase != Phase.PAUSED:
@@ -522,6 +536,15 @@ class TrainingJob:
             await self._resize(reason=why, detail=detail, resize=False)
         await self.fleet.settle()
         await self.fleet.release([n for n in s.nodes if n.alive], released)
+
+    async def _pause(self, why: str) -> None:
+        """Checkpoint, stop and give every node back until resumed (the user's or budget's)."""
+        s = self._active_state()
+        timed_scale_out.answer(s, f"paused; the target stays {s.target} nodes")
+        await self._release_everything("pause", why, "paused")
+        self._set_phase(Phase.PAUSED)
+        s.paused_reason = why
+        s.record(self._now(), "paused", why)
 
     async def _on_resume(self) -> None:
         s = self._active_state()
