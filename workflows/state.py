@@ -17,6 +17,7 @@ from spotrain.workflows.contract import Lifecycle, PoolGrant, StopResult, WatchR
 from spotrain.workflows.deadline import DeadlineState
 from spotrain.workflows.events import Event
 from spotrain.workflows.spec import JobSpec
+from spotrain.workflows.stragglers import Straggler
 
 
 class Phase(StrEnum):
@@ -173,6 +174,9 @@ class JobState(BaseModel):
         None, description="the last timed scale-out's outcome, by number"
     )
     deadline: DeadlineState | None = Field(None, description="the deadline policy's state")
+    stragglers: list[Straggler] = Field(
+        default_factory=list, description="slow or hung ranks of the running generation"
+    )
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -311,6 +315,9 @@ class JobState(BaseModel):
                 if n.alive or n.ended_at is None or n.ended_at > now - timedelta(hours=1)
             ],
             timeline=self.timeline[-20:],
+            stragglers=[
+                f for f in self.stragglers if self.running and f.generation == self.generation
+            ],
         )
 
     def result(self, now: datetime) -> JobResult:
@@ -403,6 +410,9 @@ class JobStatus(JobAccounts):
     nodes: list[NodeView]
     pool: str | None = None
     pool_grant: int | None = Field(None, description="nodes its pool lets it hold now")
+    stragglers: list[Straggler] = Field(
+        default_factory=list, description="slow or hung ranks of the running generation"
+    )
 
 
 class JobResult(JobAccounts):

@@ -61,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         Phase,
         TimelineEntry,
     )
+    from spotrain.workflows.straggler_watch import StragglerWatch
     from spotrain.workflows.swapper import Swapper
 
 INVALID_SPEC = "InvalidSpec"
@@ -101,6 +102,7 @@ class TrainingJob:
         self.pool = PoolMember(
             s, self.fleet, self._set_phase, self._release_everything, self._remove
         )
+        self.stragglers = StragglerWatch(s, self.fleet, self._remove)
         self.swapper = Swapper(
             s,
             self.fleet,
@@ -334,6 +336,8 @@ class TrainingJob:
             await self._fault(fatal or detail)
             if fatal and workflow.patched("cannot-start-fails-at-once"):
                 raise JobFailed(fatal)
+        elif s.spec.elastic.straggler and workflow.patched("straggler-replace"):
+            await self.stragglers.on_watch(w)
         return False
 
     async def _resize(self, *, reason: str, detail: str) -> None:

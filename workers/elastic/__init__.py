@@ -5,7 +5,7 @@
     s = elastic.wait_for_gang()                 # the generation's settings, once all nodes are up
     for step in range(start, s.total_steps):
         ...train one step...
-        elastic.report_progress(step + 1)       # rank 0 only, throttled
+        elastic.report_progress(step + 1)       # every rank: step times; throttled writes
         if elastic.elastic_event_detected():    # agree across ranks, then:
             ...save a checkpoint (all ranks)...
             elastic.mark_checkpoint(step + 1, path)   # rank 0, after the save completed
@@ -42,6 +42,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -50,6 +52,7 @@ from spotrain.elastic import environment
 from spotrain.elastic.control import Channel, ControlFile, StoreRecord, poll_interval
 from spotrain.elastic.imds import Imds
 from spotrain.elastic.job_store import JobStore
+from spotrain.elastic.step_times import StepClock
 from spotrain.workflows.planner import local_batch_size
 
 PROGRESS_INTERVAL_S = 1.0
@@ -185,17 +188,34 @@ def ack_checkpoint(step: int) -> None:
 
 
 _last_progress = 0.0
+_clock = StepClock()
+
+
+@contextmanager
+def busy() -> Iterator[None]:
+    """Mark this rank's own work in a step (not its waits on peers): straggler detection
+    then compares these times, which in lockstep training differ between a slow node and
+    its peers where the wall time per step does not."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        _clock.add_busy(time.monotonic() - started)
 
 
 def report_progress(step: int, force: bool = False) -> None:
-    """Rank 0 only (others return); at most about once a second unless `force`."""
+    """Every rank, after each step (or every few): times the step in memory; at most about
+    once a second unless `force`, writes this rank's step times, and rank 0 the progress."""
     global _last_progress
     s = settings()
     now = time.monotonic()
-    if not s.is_rank0 or (not force and now - _last_progress < PROGRESS_INTERVAL_S):
+    _clock.tick(step, now)
+    if not force and now - _last_progress < PROGRESS_INTERVAL_S:
         return
     _last_progress = now
-    store().write_progress(s.generation, step, time.time())
+    store().write_rank_steps(s.generation, s.rank, _clock.record(step, time.time()))
+    if s.is_rank0:
+        store().write_progress(s.generation, step, time.time())
 
 
 def mark_checkpoint(step: int, path: str) -> None:
