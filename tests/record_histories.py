@@ -25,6 +25,7 @@ RECORDING = [
     "tests/chaos/test_faults.py",
     "tests/test_cannot_start.py",
     "tests/test_deadline.py",
+    "tests/test_stragglers.py",
 ]
 
 

@@ -32,6 +32,7 @@ def test_histories_were_recorded() -> None:
         "pool_preempted_job",
         "make_before_break_swap",
         "deadline_switch",
+        "straggler_replace",
     }
     assert required <= scenarios, f"missing {required - scenarios}: tests/record_histories.py"
     assert any(p.stem.endswith("-run2") for p in HISTORIES)  # continue-as-new was replayed
