@@ -17,11 +17,13 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from rich.console import Console
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.local import LocalRuntime, job_processes
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.elastic.step_times import RECENT_STEPS, USUAL_STEPS, WARMUP_STEPS, StepClock
+from spotrain.workers.cli import status_view
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.spec import SpecError, StragglerPolicy, parse_spec
@@ -262,6 +264,10 @@ async def test_a_slow_or_hung_node_is_flagged_and_replaced_and_the_job_completes
     slow_node = (tmp_path / "slow-node").read_text()
     [flag] = flagged.stragglers
     assert (flag.rank, flag.node_id, flag.hung) == (1, slow_node, mode == "hang"), flag
+    shown = Console(width=200, record=True)
+    shown.print(status_view(flagged))  # `spotrain status`
+    kind = "hung" if mode == "hang" else "slow"
+    assert f"{kind} rank 1 on {slow_node}" in shown.export_text()
     events = [(e.event, e.detail) for e in result.timeline]
     assert ("straggler replaced", slow_node) in events, events
     assert ("node released", f"spot {slow_node}: straggler") in events, events
