@@ -116,10 +116,11 @@ def main() -> int:
     )
 
     while step < s.total_steps:
-        start = step * s.global_batch_size + batch.start
-        idx = sample_indices(start, batch.stop - batch.start)
-        x, y = x_all[idx].to(device), y_all[idx].to(device)
-        sse = ((ddp(x) - y) ** 2).sum()
+        with elastic.busy():  # this rank's own work (backward waits on peers): stragglers
+            start = step * s.global_batch_size + batch.start
+            idx = sample_indices(start, batch.stop - batch.start)
+            x, y = x_all[idx].to(device), y_all[idx].to(device)
+            sse = ((ddp(x) - y) ** 2).sum()
         # DDP averages gradients over ranks; scaling by world/global makes it the global mean.
         (sse * s.world_size / s.global_batch_size).backward()
         optim.step()
