@@ -22,7 +22,13 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.local import LocalRuntime, job_processes
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.elastic.step_times import RECENT_STEPS, USUAL_STEPS, WARMUP_STEPS, StepClock
+from spotrain.elastic.step_times import (
+    RECENT_STEPS,
+    STUCK_AFTER_S,
+    USUAL_STEPS,
+    WARMUP_STEPS,
+    StepClock,
+)
 from spotrain.workers.cli import status_view
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
@@ -69,6 +75,19 @@ def test_clock_times_marked_work_per_step_when_the_script_marks_it() -> None:
     assert clock.record(4 * RECENT_STEPS, 0.0)["recent_s"] == pytest.approx(0.3 / 4)
 
 
+def test_a_section_in_progress_too_long_is_written_once_with_its_start() -> None:
+    clock = StepClock()
+    assert clock.stuck_record(100.0) is None  # nothing written yet
+    clock.tick(3, 0.0)
+    written = clock.record(3, 50.0)
+    clock.begin_busy(60.0)
+    assert clock.stuck_record(60.0 + STUCK_AFTER_S / 2) is None  # a normal step's work
+    assert clock.stuck_record(60.0 + STUCK_AFTER_S) == {**written, "busy_since": 60.0}
+    assert clock.stuck_record(70.0) is None  # once per section
+    clock.end_busy(10.0)
+    assert clock.stuck_record(80.0) is None  # out of it
+
+
 # --- decisions ---------------------------------------------------------------------------------
 
 
@@ -96,8 +115,26 @@ def test_a_lone_rank_is_judged_by_its_own_history() -> None:
 
 def test_a_rank_without_steps_while_peers_step_is_hung_but_a_whole_job_stall_is_not() -> None:
     ranks = [steps(0, 0.1, 0.1, since=1), steps(1, 0.1, 0.1, since=700)]
-    assert list(hung_ranks(ranks, 600)) == [1]
-    assert hung_ranks([steps(r, 0.1, 0.1, since=700) for r in range(2)], 600) == {}
+    assert list(hung_ranks(ranks, 600, job_stalled=False)) == [1]
+    stalled = [steps(r, 0.1, 0.1, since=700) for r in range(2)]
+    assert hung_ranks(stalled, 600, job_stalled=True) == {}  # nobody stands out
+
+
+def test_in_a_stalled_lockstep_job_the_rank_stuck_in_its_own_work_is_hung() -> None:
+    """Its peers wait in the collective it never reaches: outside their own work."""
+    ranks = [steps(r, 0.1, 0.1, since=700) for r in range(3)]
+    ranks[2] = ranks[2].model_copy(update={"busy_s": 690.0})
+    assert hung_ranks(ranks, 600, job_stalled=False) == {}  # not before the job stalls
+    found = hung_ranks(ranks, 600, job_stalled=True)
+    assert list(found) == [2] and "stuck in its own work for 690s" in found[2]
+    every = [r.model_copy(update={"busy_s": 690.0}) for r in ranks]  # all stuck: no culprit
+    assert hung_ranks(every, 600, job_stalled=True) == {}
+
+
+def test_the_store_record_of_a_rank_stuck_in_its_work_carries_how_long() -> None:
+    record = {"step": 7, "time": 100.0, "recent_s": 0.1, "usual_s": 0.1, "busy_since": 101.0}
+    assert RankSteps.of(3, record, now=130.0).busy_s == 29.0
+    assert RankSteps.of(3, {"step": 7, "time": 100.0}, now=130.0).busy_s is None
 
 
 @given(
@@ -167,6 +204,12 @@ RANK = textwrap.dedent(
     from spotrain import elastic
 
     s = elastic.wait_for_gang()
+    lockstep = os.environ["SLOW_MODE"] == "lockstep-hang"
+    if lockstep:  # DDP-like: every step ends in a collective
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     latest = elastic.latest_checkpoint()
     step = first = latest["step"] if latest else 0
     marker = os.environ["SLOW_NODE_FILE"]
@@ -175,13 +218,17 @@ RANK = textwrap.dedent(
             f.write(s.node_id)
         os.replace(marker + ".tmp", marker)
     slow_node = open(marker).read() if os.path.exists(marker) else ""
-    extra = {"slow": 0.2, "hang": 3600.0}[os.environ["SLOW_MODE"]]
+    extra = 0.2 if os.environ["SLOW_MODE"] == "slow" else 3600.0
     slow_after = first + int(os.environ["SLOW_AFTER"])
     while step < s.total_steps and (step % 10 or elastic.store().done() is None):
         with elastic.busy():  # this rank's own work
             time.sleep(0.02 + (extra if s.node_id == slow_node and step >= slow_after else 0))
         step += 1
         stopping = elastic.elastic_event_detected()
+        if lockstep:  # (waits on the peers: outside this rank's own work)
+            flag = torch.tensor([float(stopping)])
+            dist.all_reduce(flag)
+            stopping = flag.item() > 0
         if stopping or step % 10 == 0:
             elastic.mark_checkpoint(step, f"ckpt-{step}")  # (rank 0's counts)
         elastic.report_progress(step)
@@ -209,7 +256,7 @@ def straggler_job(tmp_path: Path, mode: str) -> dict[str, Any]:
             "min_nodes": 2,
             "max_nodes": 2,
             "graceful_shutdown_timeout_s": 2,
-            "stall_timeout_s": 3,
+            "stall_timeout_s": 8,  # (a loaded machine takes seconds to import torch)
             "straggler": {"slowdown": 3, "patience_s": 1},
         },
         spot={
@@ -228,7 +275,7 @@ def killed_at_exit(runtime: LocalRuntime, job: str) -> Iterator[None]:
         runtime.cleanup_job(CleanupRequest(job=job, keep=True))
 
 
-@pytest.mark.parametrize("mode", ["slow", "hang"])
+@pytest.mark.parametrize("mode", ["slow", "hang", "lockstep-hang"])
 async def test_a_slow_or_hung_node_is_flagged_and_replaced_and_the_job_completes(
     dev_env: WorkflowEnvironment, tmp_path: Path, mode: str
 ) -> None:
@@ -258,10 +305,10 @@ async def test_a_slow_or_hung_node_is_flagged_and_replaced_and_the_job_completes
                 await record_history(handle, "straggler_replace")
     slow_node = (tmp_path / "slow-node").read_text()
     [flag] = flagged.stragglers
-    assert (flag.rank, flag.node_id, flag.hung) == (1, slow_node, mode == "hang"), flag
+    assert (flag.rank, flag.node_id, flag.hung) == (1, slow_node, mode != "slow"), flag
     shown = Console(width=200, record=True)
     shown.print(status_view(flagged))  # `spotrain status`
-    kind = "hung" if mode == "hang" else "slow"
+    kind = "slow" if mode == "slow" else "hung"
     assert f"{kind} rank 1 on {slow_node}" in shown.export_text()
     events = [(e.event, e.detail) for e in result.timeline]
     assert ("straggler replaced", slow_node) in events, events

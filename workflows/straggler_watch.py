@@ -29,13 +29,17 @@ class StragglerWatch:
     ) -> None:
         self.s, self.fleet, self.remove = state, fleet, remove
 
-    async def on_watch(self, w: WatchResult) -> None:
+    async def on_watch(self, w: WatchResult) -> bool:
         """Flag (timeline, status) and clear the running generation's stragglers; replace the
-        nodes of those past their patience."""
+        nodes of those past their patience, and of a rank that holds up a stalled job (then
+        True: no stall fault, the generation is already stopped)."""
         s, now = self.s, workflow.now()
         policy = s.spec.elastic.straggler
-        if policy is None or not s.running:
-            return
+        if policy is None or w.outcome != "progress" or not s.running:
+            return False
+        if not workflow.patched("straggler-replace"):
+            return False
+        stalled = job_planner.watch_verdict(s, w, now)[0] == "fault"  # (a progress watch)
         rank_nodes = [n.node_id or "" for n in s.member_nodes for _ in range(n.procs)]
         found = stragglers.assess(
             policy,
@@ -45,6 +49,7 @@ class StragglerWatch:
             rank_nodes,
             s.stragglers,
             now,
+            job_stalled=stalled,
         )
         for f in found.raised:
             s.record(now, "straggler", f"rank {f.rank} on {f.node_id}: {f.why}")
@@ -54,6 +59,7 @@ class StragglerWatch:
         victims = [n for n in s.member_nodes if n.node_id in found.replace]
         if victims:
             await self._replace(victims)
+        return bool(victims)
 
     async def _replace(self, victims: list[NodeRecord]) -> None:
         s, names = self.s, ", ".join(n.node_id or "" for n in victims)

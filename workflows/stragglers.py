@@ -7,9 +7,10 @@ A rank is slow when its recent step time is more than `slowdown` times its usual
 median of its first steps after the warm-up) AND, if it has peers, more than `slowdown` times
 the median of their recent step times: a job-wide slowdown (a slower data source, a bigger
 batch) slows every rank alike and points at no node. A rank is hung when it reported no step
-for `stall_timeout_s` while some peer did (if every rank stalls, the job's stall fault covers
-it). A slow rank's node is replaced once it stayed slow `patience_s`; a hung rank's at once
-(it already waited the stall timeout).
+for `stall_timeout_s` while some peer did, or, once the whole job stalled, when it is stuck in
+its own work (`elastic.busy()`) while a peer waits outside its own. A slow rank's node is
+replaced once it stayed slow `patience_s`; a hung rank's at once (it already waited the stall
+timeout).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class RankSteps(BaseModel):
     since_step_s: float = Field(description="seconds since its last report, when read")
     recent_s: float | None = Field(None, description="median of its latest step times")
     usual_s: float | None = Field(None, description="median of its first steps' times")
+    busy_s: float | None = Field(
+        None, description="seconds in its own work since it last stepped, if stuck in it"
+    )
 
     @classmethod
     def of(cls, rank: int, record: dict[str, Any], now: float) -> RankSteps:
@@ -42,6 +46,7 @@ class RankSteps(BaseModel):
             since_step_s=max(0.0, now - record["time"]),
             recent_s=record.get("recent_s"),
             usual_s=record.get("usual_s"),
+            busy_s=None if record.get("busy_since") is None else now - record["busy_since"],
         )
 
 
@@ -76,17 +81,25 @@ def slow_ranks(ranks: list[RankSteps], slowdown: float) -> dict[int, str]:
     return found
 
 
-def hung_ranks(ranks: list[RankSteps], stall_s: float) -> dict[int, str]:
-    """rank -> why, for ranks with no step for `stall_s` while some peer stepped within it."""
+def hung_ranks(ranks: list[RankSteps], stall_s: float, job_stalled: bool) -> dict[int, str]:
+    """rank -> why, for ranks with no step for `stall_s` while some peer stepped within it;
+    and, once the whole job stalled, a rank stuck in its own work while a peer waits outside
+    its own (in lockstep training: in the collective the stuck rank never reaches)."""
     stepping = sum(r.since_step_s <= stall_s for r in ranks)
-    if not stepping:
-        return {}
-    return {
-        r.rank: f"no step for {r.since_step_s:.0f}s (at step {r.step}) while "
-        f"{stepping} peer(s) step"
-        for r in ranks
-        if r.since_step_s > stall_s
-    }
+    waiting = sum(r.busy_s is None for r in ranks)
+    found = {}
+    for r in ranks:
+        if stepping and r.since_step_s > stall_s:
+            found[r.rank] = (
+                f"no step for {r.since_step_s:.0f}s (at step {r.step}) while "
+                f"{stepping} peer(s) step"
+            )
+        elif job_stalled and r.busy_s is not None and waiting:
+            found[r.rank] = (
+                f"stuck in its own work for {r.busy_s:.0f}s (at step {r.step}) while "
+                f"{waiting} peer(s) wait"
+            )
+    return found
 
 
 @dataclass(frozen=True)
@@ -105,11 +118,13 @@ def assess(
     rank_nodes: list[str],
     flags: list[Straggler],
     now: datetime,
+    job_stalled: bool = False,
 ) -> Assessment:
-    """The running generation's stragglers after a watch (`rank_nodes`: each rank's node),
-    carrying over when each was first flagged; the nodes due for replacement."""
+    """The running generation's stragglers after a watch (`rank_nodes`: each rank's node;
+    `job_stalled`: no progress for `stall_s`), carrying over when each was first flagged; the
+    nodes due for replacement."""
     before = {f.rank: f for f in flags if f.generation == generation}
-    hung = hung_ranks(ranks, stall_s)
+    hung = hung_ranks(ranks, stall_s, job_stalled)
     found = slow_ranks(ranks, policy.slowdown) | hung
     current = [
         Straggler(

@@ -325,6 +325,8 @@ class TrainingJob:
         deadline_hooks.observe(s, self._now())
         if w.checkpoints is not None:
             self._on_checkpoints(w.checkpoints)
+        if await self.stragglers.on_watch(w):  # (a node replaced: not a stall fault)
+            return False
         verdict, detail = job_planner.watch_verdict(s, w, self._now())
         if verdict == "completed":
             s.step = max(s.step, w.step or s.spec.total_steps)
@@ -336,8 +338,6 @@ class TrainingJob:
             await self._fault(fatal or detail)
             if fatal and workflow.patched("cannot-start-fails-at-once"):
                 raise JobFailed(fatal)
-        elif s.spec.elastic.straggler and workflow.patched("straggler-replace"):
-            await self.stragglers.on_watch(w)
         return False
 
     async def _resize(self, *, reason: str, detail: str) -> None:

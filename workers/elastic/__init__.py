@@ -52,7 +52,7 @@ from spotrain.elastic import environment
 from spotrain.elastic.control import Channel, ControlFile, StoreRecord, poll_interval
 from spotrain.elastic.imds import Imds
 from spotrain.elastic.job_store import JobStore
-from spotrain.elastic.step_times import StepClock
+from spotrain.elastic.step_times import STUCK_AFTER_S, StepClock
 from spotrain.workflows.planner import local_batch_size
 
 PROGRESS_INTERVAL_S = 1.0
@@ -195,12 +195,14 @@ _clock = StepClock()
 def busy() -> Iterator[None]:
     """Mark this rank's own work in a step (not its waits on peers): straggler detection
     then compares these times, which in lockstep training differ between a slow node and
-    its peers where the wall time per step does not."""
+    its peers where the wall time per step does not; and a rank stuck in it is told apart."""
     started = time.monotonic()
+    _clock.begin_busy(time.time())
+    _watch_stuck()
     try:
         yield
     finally:
-        _clock.add_busy(time.monotonic() - started)
+        _clock.end_busy(time.monotonic() - started)
 
 
 def report_progress(step: int, force: bool = False) -> None:
@@ -213,9 +215,34 @@ def report_progress(step: int, force: bool = False) -> None:
     if not force and now - _last_progress < PROGRESS_INTERVAL_S:
         return
     _last_progress = now
-    store().write_rank_steps(s.generation, s.rank, _clock.record(step, time.time()))
+    with _clock.lock:
+        store().write_rank_steps(s.generation, s.rank, _clock.record(step, time.time()))
     if s.is_rank0:
         store().write_progress(s.generation, step, time.time())
+
+
+_stuck_watch: threading.Thread | None = None
+
+
+def _watch_stuck() -> None:
+    """Start (once) the daemon thread that writes a section in progress for too long."""
+    global _stuck_watch
+    if _stuck_watch is not None:
+        return
+
+    def watch() -> None:
+        s = settings()
+        while True:
+            time.sleep(STUCK_AFTER_S / 2)
+            try:
+                with _clock.lock:
+                    if (record := _clock.stuck_record(time.time())) is not None:
+                        store().write_rank_steps(s.generation, s.rank, record)
+            except Exception as err:  # the store may be away for a moment: not the end
+                logging.getLogger("spotrain.elastic").warning("stuck watch: %s", err)
+
+    _stuck_watch = threading.Thread(target=watch, name="spotrain-stuck-watch", daemon=True)
+    _stuck_watch.start()
 
 
 def mark_checkpoint(step: int, path: str) -> None:
