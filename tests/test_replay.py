@@ -33,6 +33,7 @@ def test_histories_were_recorded() -> None:
         "make_before_break_swap",
         "deadline_switch",
         "straggler_replace",
+        "straggler_lockstep_hang",
     }
     assert required <= scenarios, f"missing {required - scenarios}: tests/record_histories.py"
     assert any(p.stem.endswith("-run2") for p in HISTORIES)  # continue-as-new was replayed

@@ -80,9 +80,11 @@ def test_a_section_in_progress_too_long_is_written_once_with_its_start() -> None
     assert clock.stuck_record(100.0) is None  # nothing written yet
     clock.tick(3, 0.0)
     written = clock.record(3, 50.0)
+    clock.tick(4, 0.1)  # a step not written (throttled)
     clock.begin_busy(60.0)
     assert clock.stuck_record(60.0 + STUCK_AFTER_S / 2) is None  # a normal step's work
-    assert clock.stuck_record(60.0 + STUCK_AFTER_S) == {**written, "busy_since": 60.0}
+    stuck = clock.stuck_record(60.0 + STUCK_AFTER_S)
+    assert stuck == {**written, "step": 4, "busy_since": 60.0}
     assert clock.stuck_record(70.0) is None  # once per section
     clock.end_busy(10.0)
     assert clock.stuck_record(80.0) is None  # out of it
@@ -275,6 +277,9 @@ def killed_at_exit(runtime: LocalRuntime, job: str) -> Iterator[None]:
         runtime.cleanup_job(CleanupRequest(job=job, keep=True))
 
 
+RECORDED = {"slow": "straggler_replace", "lockstep-hang": "straggler_lockstep_hang"}
+
+
 @pytest.mark.parametrize("mode", ["slow", "hang", "lockstep-hang"])
 async def test_a_slow_or_hung_node_is_flagged_and_replaced_and_the_job_completes(
     dev_env: WorkflowEnvironment, tmp_path: Path, mode: str
@@ -301,11 +306,13 @@ async def test_a_slow_or_hung_node_is_flagged_and_replaced_and_the_job_completes
                 timeout=90,
             )
             result = await asyncio.wait_for(handle.result(), 180)
-            if mode == "slow":
-                await record_history(handle, "straggler_replace")
+            if recording := RECORDED.get(mode):
+                await record_history(handle, recording)
     slow_node = (tmp_path / "slow-node").read_text()
     [flag] = flagged.stragglers
     assert (flag.rank, flag.node_id, flag.hung) == (1, slow_node, mode != "slow"), flag
+    why = {"slow": "its usual", "hang": "while 1 peer(s) step", "lockstep-hang": "peer(s) wait"}
+    assert why[mode] in flag.why, flag
     shown = Console(width=200, record=True)
     shown.print(status_view(flagged))  # `spotrain status`
     kind = "slow" if mode == "slow" else "hung"

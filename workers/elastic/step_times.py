@@ -72,7 +72,8 @@ class StepClock:
         if now - since < STUCK_AFTER_S:
             return None
         self.noted = since
-        return {**self.written, "busy_since": since}
+        step = self.last[0] if self.last else self.written["step"]  # (writes are throttled)
+        return {**self.written, "step": step, "busy_since": since}
 
     def record(self, step: int, wall_time: float) -> dict[str, Any]:
         """What the store keeps for this rank: its step, when (epoch seconds), and the recent
