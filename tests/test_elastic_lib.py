@@ -58,7 +58,8 @@ def as_rank(
     env = environment.rank_env(plan, node, local, master_port=29500, control_file=str(control))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(elastic, "_last_progress", 0.0)  # a fresh process's throttle and clock
+    monkeypatch.setattr(elastic, "_last_progress", 0.0)  # a fresh process's throttles, clock
+    monkeypatch.setattr(elastic, "_last_step_times", 0.0)
     monkeypatch.setattr(elastic, "_clock", StepClock())
     return control
 

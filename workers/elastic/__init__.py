@@ -5,7 +5,7 @@
     s = elastic.wait_for_gang()                 # the generation's settings, once all nodes are up
     for step in range(start, s.total_steps):
         ...train one step...
-        elastic.report_progress(step + 1)       # every rank: step times; throttled writes
+        elastic.report_progress(step + 1)       # every rank: its step times; rank 0: progress
         if elastic.elastic_event_detected():    # agree across ranks, then:
             ...save a checkpoint (all ranks)...
             elastic.mark_checkpoint(step + 1, path)   # rank 0, after the save completed
@@ -56,6 +56,7 @@ from spotrain.elastic.step_times import STUCK_AFTER_S, StepClock
 from spotrain.workflows.planner import local_batch_size
 
 PROGRESS_INTERVAL_S = 1.0
+STEP_TIMES_INTERVAL_S = 5.0  # one small write per rank: about 720 an hour (S3 PUTs)
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def ack_checkpoint(step: int) -> None:
     store().write_ack(s.generation, s.rank, step, time.time())
 
 
-_last_progress = 0.0
+_last_progress = _last_step_times = 0.0
 _clock = StepClock()
 
 
@@ -206,18 +207,19 @@ def busy() -> Iterator[None]:
 
 
 def report_progress(step: int, force: bool = False) -> None:
-    """Every rank, after each step (or every few): times the step in memory; at most about
-    once a second unless `force`, writes this rank's step times, and rank 0 the progress."""
-    global _last_progress
+    """Every rank, after each step (or every few): times the step in memory; unless `force`,
+    writes rank 0's progress at most about once a second and this rank's step times about
+    every `STEP_TIMES_INTERVAL_S` (straggler detection needs no more)."""
+    global _last_progress, _last_step_times
     s = settings()
     now = time.monotonic()
     _clock.tick(step, now)
-    if not force and now - _last_progress < PROGRESS_INTERVAL_S:
-        return
-    _last_progress = now
-    with _clock.lock:
-        store().write_rank_steps(s.generation, s.rank, _clock.record(step, time.time()))
-    if s.is_rank0:
+    if force or now - _last_step_times >= STEP_TIMES_INTERVAL_S:
+        _last_step_times = now
+        with _clock.lock:
+            store().write_rank_steps(s.generation, s.rank, _clock.record(step, time.time()))
+    if s.is_rank0 and (force or now - _last_progress >= PROGRESS_INTERVAL_S):
+        _last_progress = now
         store().write_progress(s.generation, step, time.time())
 
 
