@@ -3,9 +3,9 @@
 Each rank times its steps between `report_progress` calls; the time of its own work where the
 script marks it (`elastic.busy()`: in lockstep training, waits on peers inside collectives
 make every rank's wall time the same, so only the work outside them tells a slow node apart),
-else the wall time. The record it leaves in the store (with the throttled progress write) says
-how long its recent steps take and how long they took when it started, so that the
-orchestrator compares each rank with its own history and with its peers
+else the wall time. The record it leaves in the store (`report_progress` writes it every few
+seconds: no I/O per step) says how long its recent steps take and how long they took when it
+started, so that the orchestrator compares each rank with its own history and with its peers
 (workflows/stragglers.py).
 
 A rank stuck in its own work cannot write from its main thread: a daemon thread writes its
