@@ -244,13 +244,16 @@ RANK = textwrap.dedent(
 )
 
 
+STEPS = 900  # 18 s of rank 0's steps: it must not finish before the straggler is replaced
+
+
 def straggler_job(tmp_path: Path, mode: str) -> dict[str, Any]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     return job_spec(
         name=f"straggler-{mode}-{uuid.uuid4().hex[:6]}",
         command=["python", str(script)],
-        total_steps=600,
+        total_steps=STEPS,
         checkpoint=f"file://{tmp_path / 'ckpt'}",
         env={"SLOW_NODE_FILE": str(tmp_path / "slow-node"), "SLOW_MODE": mode, "SLOW_AFTER": "30"},
         elastic={
@@ -320,7 +323,7 @@ async def test_a_slow_or_hung_node_is_flagged_and_replaced_and_the_job_completes
     events = [(e.event, e.detail) for e in result.timeline]
     assert ("straggler replaced", slow_node) in events, events
     assert ("node released", f"spot {slow_node}: straggler") in events, events
-    assert result.phase == "Succeeded" and result.steps_done == 600
+    assert result.phase == "Succeeded" and result.steps_done == STEPS
     assert result.faults == 0 and result.generations == 2, events  # replaced, not restarted
     assert job_processes(spec["name"]) == []
     # (generation 2 ran on the replacement: on the slow node, rank 1 would be flagged again)
