@@ -530,4 +530,5 @@ def _steps(store: JobStore, req: WatchRequest) -> dict[str, Any]:
         "step": progress["step"] if progress else None,
         "checkpoint_step": latest["step"] if latest else None,
         "checkpoints": store.checkpoint_stats(),
+        "ranks": store.rank_steps(req.generation, time.time()),
     }

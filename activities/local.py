@@ -453,6 +453,7 @@ class LocalRuntime:
             exit_codes=codes,
             notices=notices or [],
             checkpoints=store.checkpoint_stats(),
+            ranks=store.rank_steps(generation, time.time()),
         )
 
     def _failed(

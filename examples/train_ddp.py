@@ -138,10 +138,11 @@ def train(
         ckpt = checkpoint.Checkpointer()
         ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         while step < s.total_steps:
-            start = step * s.global_batch_size + batch.start
-            idx = sample_indices(start, batch.stop - batch.start)
-            x, y = data[0][idx].to(device), data[1][idx].to(device)
-            sse = ((ddp(x) - y) ** 2).sum()
+            with elastic.busy():  # this rank's own work (backward waits on peers): stragglers
+                start = step * s.global_batch_size + batch.start
+                idx = sample_indices(start, batch.stop - batch.start)
+                x, y = data[0][idx].to(device), data[1][idx].to(device)
+                sse = ((ddp(x) - y) ** 2).sum()
             # DDP averages gradients over ranks; scaling by world/global makes it the global mean.
             (sse * s.world_size / s.global_batch_size).backward()
             # One all-reduce: the global loss, and whether any rank saw the elastic event. Both

@@ -27,6 +27,7 @@ RECORDING = [
     "tests/test_deadline.py",
     "tests/test_live_resize.py",
     "tests/test_budget.py",
+    "tests/test_stragglers.py",
 ]
 
 

@@ -18,6 +18,7 @@ import pytest
 from spotrain import elastic
 from spotrain.elastic import control, environment
 from spotrain.elastic.job_store import JobStore
+from spotrain.elastic.step_times import StepClock
 from spotrain.workflows.contract import GenerationPlan, Member
 
 
@@ -57,6 +58,9 @@ def as_rank(
     env = environment.rank_env(plan, node, local, master_port=29500, control_file=str(control))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setattr(elastic, "_last_progress", 0.0)  # a fresh process's throttles, clock
+    monkeypatch.setattr(elastic, "_last_step_times", 0.0)
+    monkeypatch.setattr(elastic, "_clock", StepClock())
     return control
 
 
@@ -172,6 +176,7 @@ def test_acks_progress_and_markers_go_to_the_store(
     elastic.mark_checkpoint(5, "/ckpt/5")
     elastic.mark_done(5)
     assert store.progress(3) is None and store.latest_checkpoint() is None  # rank 0's job
+    assert [(r.rank, r.step) for r in store.rank_steps(3, time.time())] == [(1, 5)]  # its own
     assert store.done() is None
     elastic.ack_checkpoint(5)
     assert store.acked_ranks(3) == [1]

@@ -54,10 +54,15 @@ def test_watch_reports_progress_then_completion(
     store = JobStore(ckpt)
     store.write_progress(1, step=17, time=time.time())
     store.write_latest_checkpoint(10, "ckpt/step-10")
+    rank2 = {"step": 17, "time": time.time() - 3, "recent_s": 0.5, "usual_s": 0.1}
+    store.write_rank_steps(1, 2, rank2)  # what every rank leaves for straggler detection
     t0 = time.monotonic()
     result = run(runtime.watch_generation, watch_request(ckpt, report_after_s=1))
     assert 1 <= time.monotonic() - t0 < 5
     assert (result.outcome, result.step, result.checkpoint_step) == ("progress", 17, 10)
+    [steps] = result.ranks
+    assert (steps.rank, steps.step, steps.recent_s, steps.usual_s) == (2, 17, 0.5, 0.1)
+    assert steps.since_step_s >= 3
 
     watching = in_thread(runtime.watch_generation, watch_request(ckpt))
     store.write_done(step=100, time=time.time())

@@ -34,6 +34,8 @@ def test_histories_were_recorded() -> None:
         "live_resize",
         "deadline_switch",
         "budget_pause",
+        "straggler_replace",
+        "straggler_lockstep_hang",
     }
     assert required <= scenarios, f"missing {required - scenarios}: tests/record_histories.py"
     assert any(p.stem.endswith("-run2") for p in HISTORIES)  # continue-as-new was replayed

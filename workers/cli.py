@@ -177,6 +177,9 @@ def status_view(s: JobStatus) -> Group:
         head += "\n" + describe(s.checkpoints)
     if s.deadline:
         head += "\n" + deadline.describe(s.deadline)
+    for f in s.stragglers:
+        kind, since = "hung" if f.hung else "slow", f"{f.since:%H:%M:%S}"
+        head += f"\n[yellow]{kind} rank {f.rank} on {f.node_id} since {since}: {f.why}[/]"
     nodes = Table("rank", "node", "lifecycle", "type", "zone", "state", "$/h", "reason")
     for n in sorted(s.nodes, key=lambda n: (n.rank is None, n.rank or 0, n.slot)):
         nodes.add_row(

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from spotrain.workflows.checkpoints import CheckpointStats
+from spotrain.workflows.stragglers import RankSteps
 
 Lifecycle = Literal["spot", "on-demand"]
 
@@ -281,6 +282,9 @@ class WatchResult(Message):
     )
     output: dict[int, str] = Field(
         default_factory=dict, description="rank -> the last lines a failed rank wrote"
+    )
+    ranks: list[RankSteps] = Field(
+        default_factory=list, description="every rank's step times (straggler detection)"
     )
 
 

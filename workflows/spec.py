@@ -81,6 +81,19 @@ class OnDemandPolicy(Strict):
     base_nodes: int = Field(0, ge=0, description="on-demand nodes never reclaimed (the base)")
 
 
+class StragglerPolicy(Strict):
+    """Ranks much slower than their own history and their peers, or hung while their peers
+    step: flagged in `status`, then their node replaced (workflows/stragglers.py)."""
+
+    slowdown: float = Field(
+        2.0, gt=1, description="flag a rank whose recent steps take this many times longer"
+    )
+    patience_s: NonNegativeSeconds = Field(
+        300, description="a rank flagged slow this long has its node replaced"
+    )
+    replace: bool = Field(True, description="false: only flag, never replace")
+
+
 class ElasticPolicy(Strict):
     """Sizes the job may take and how fast it changes size."""
 
@@ -102,6 +115,11 @@ class ElasticPolicy(Strict):
         "timeouts) before that node is given up; no capacity moves on to the next pool at once",
     )
     stall_timeout_s: PositiveSeconds = Field(600, description="no progress this long is a fault")
+    straggler: StragglerPolicy | None = Field(
+        None,
+        description="detect slow and hung ranks (a rank with no step for stall_timeout_s while "
+        "its peers step is hung) and replace their nodes; None: off",
+    )
     reclaim_policy: Literal["drop", "replace"] = Field(
         "replace", description="drop the lost node, or order a replacement and grow back"
     )

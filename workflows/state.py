@@ -18,6 +18,7 @@ from spotrain.workflows.contract import Lifecycle, PoolGrant, StopResult, WatchR
 from spotrain.workflows.deadline import DeadlineState
 from spotrain.workflows.events import Event
 from spotrain.workflows.spec import JobSpec
+from spotrain.workflows.stragglers import Straggler
 
 
 class Phase(StrEnum):
@@ -176,6 +177,9 @@ class JobState(BaseModel):
     deadline: DeadlineState | None = Field(None, description="the deadline policy's state")
     budget: BudgetState | None = Field(None, description="the spend cap (None: no cap)")
     paused_reason: str | None = Field(None, description="why the job was last paused")
+    stragglers: list[Straggler] = Field(
+        default_factory=list, description="slow or hung ranks of the running generation"
+    )
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -319,6 +323,9 @@ class JobState(BaseModel):
                 if n.alive or n.ended_at is None or n.ended_at > now - timedelta(hours=1)
             ],
             timeline=self.timeline[-20:],
+            stragglers=[
+                f for f in self.stragglers if self.running and f.generation == self.generation
+            ],
         )
 
     def result(self, now: datetime) -> JobResult:
@@ -414,6 +421,9 @@ class JobStatus(JobAccounts):
     pool: str | None = None
     pool_grant: int | None = Field(None, description="nodes its pool lets it hold now")
     paused_reason: str | None = Field(None, description="while paused: why")
+    stragglers: list[Straggler] = Field(
+        default_factory=list, description="slow or hung ranks of the running generation"
+    )
 
 
 class JobResult(JobAccounts):

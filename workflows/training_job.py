@@ -64,6 +64,7 @@ with workflow.unsafe.imports_passed_through():
         Phase,
         TimelineEntry,
     )
+    from spotrain.workflows.straggler_watch import StragglerWatch
     from spotrain.workflows.swapper import Swapper
 
 INVALID_SPEC = "InvalidSpec"
@@ -104,6 +105,7 @@ class TrainingJob:
         self.pool = PoolMember(
             s, self.fleet, self._set_phase, self._release_everything, self._remove
         )
+        self.stragglers = StragglerWatch(s, self.fleet, self._remove)
         self.swapper = Swapper(
             s,
             self.fleet,
@@ -340,6 +342,8 @@ class TrainingJob:
         deadline_hooks.observe(s, self._now())
         if w.checkpoints is not None:
             self._on_checkpoints(w.checkpoints)
+        if await self.stragglers.on_watch(w):  # (a node replaced: not a stall fault)
+            return False
         verdict, detail = job_planner.watch_verdict(s, w, self._now())
         if verdict == "completed":
             s.step = max(s.step, w.step or s.spec.total_steps)

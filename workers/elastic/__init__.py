@@ -4,8 +4,10 @@
 
     s = elastic.wait_for_gang()                 # the generation's settings, once all nodes are up
     for step in range(start, s.total_steps):
-        ...train one step...
-        elastic.report_progress(step + 1)       # rank 0 only, throttled
+        with elastic.busy():                    # optional: this rank's own work (stragglers)
+            ...load the batch, forward...
+        ...backward, optimizer step...
+        elastic.report_progress(step + 1)       # every rank: its step times; rank 0: progress
         if elastic.elastic_event_detected():    # agree across ranks, then:
             ...save a checkpoint (all ranks)...
             elastic.mark_checkpoint(step + 1, path)   # rank 0, after the save completed
@@ -42,6 +44,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -50,9 +54,11 @@ from spotrain.elastic import environment
 from spotrain.elastic.control import Channel, ControlFile, StoreRecord, poll_interval
 from spotrain.elastic.imds import Imds
 from spotrain.elastic.job_store import JobStore
+from spotrain.elastic.step_times import STUCK_AFTER_S, StepClock
 from spotrain.workflows.planner import local_batch_size
 
 PROGRESS_INTERVAL_S = 1.0
+STEP_TIMES_INTERVAL_S = 5.0  # one small write per rank: about 720 an hour (S3 PUTs)
 
 
 @dataclass(frozen=True)
@@ -203,18 +209,63 @@ def ack_checkpoint(step: int) -> None:
     store().write_ack(s.generation, s.rank, step, time.time())
 
 
-_last_progress = 0.0
+_last_progress = _last_step_times = 0.0
+_clock = StepClock()
+
+
+@contextmanager
+def busy() -> Iterator[None]:
+    """Mark this rank's own work in a step (not its waits on peers): straggler detection
+    then compares these times, which in lockstep training differ between a slow node and
+    its peers where the wall time per step does not; and a rank stuck in it is told apart."""
+    started = time.monotonic()
+    _clock.begin_busy(time.time())
+    _watch_stuck()
+    try:
+        yield
+    finally:
+        _clock.end_busy(time.monotonic() - started)
 
 
 def report_progress(step: int, force: bool = False) -> None:
-    """Rank 0 only (others return); at most about once a second unless `force`."""
-    global _last_progress
+    """Every rank, after each step (or every few): times the step in memory; unless `force`,
+    writes rank 0's progress at most about once a second and this rank's step times about
+    every `STEP_TIMES_INTERVAL_S` (straggler detection needs no more)."""
+    global _last_progress, _last_step_times
     s = settings()
     now = time.monotonic()
-    if not s.is_rank0 or (not force and now - _last_progress < PROGRESS_INTERVAL_S):
+    _clock.tick(step, now)
+    if force or now - _last_step_times >= STEP_TIMES_INTERVAL_S:
+        _last_step_times = now
+        with _clock.lock:
+            store().write_rank_steps(s.generation, s.rank, _clock.record(step, time.time()))
+    if s.is_rank0 and (force or now - _last_progress >= PROGRESS_INTERVAL_S):
+        _last_progress = now
+        store().write_progress(s.generation, step, time.time())
+
+
+_stuck_watch: threading.Thread | None = None
+
+
+def _watch_stuck() -> None:
+    """Start (once) the daemon thread that writes a section in progress for too long."""
+    global _stuck_watch
+    if _stuck_watch is not None:
         return
-    _last_progress = now
-    store().write_progress(s.generation, step, time.time())
+
+    def watch() -> None:
+        s = settings()
+        while True:
+            time.sleep(STUCK_AFTER_S / 2)
+            try:
+                with _clock.lock:
+                    if (record := _clock.stuck_record(time.time())) is not None:
+                        store().write_rank_steps(s.generation, s.rank, record)
+            except Exception as err:  # the store may be away for a moment: not the end
+                logging.getLogger("spotrain.elastic").warning("stuck watch: %s", err)
+
+    _stuck_watch = threading.Thread(target=watch, name="spotrain-stuck-watch", daemon=True)
+    _stuck_watch.start()
 
 
 def mark_checkpoint(step: int, path: str) -> None:

@@ -7,6 +7,7 @@ the same keys under the job's `checkpoint` location (`file:///path` or `s3://buc
     gen-00003/started.json        {"time": t}              every node of the gang is up
     gen-00003/ack/<rank>.json     {"step": n, "time": t}   rank checkpointed after an event
     gen-00003/progress.json       {"step": n, "time": t}   rank 0, throttled
+    gen-00003/steps/<rank>.json   {"step", "time", "recent_s", "usual_s"}  every rank, throttled
     gen-00003/loaded.json         {"step": n}              the checkpoint it resumed from
     ckpt/latest.json              {"step": n, "path": p}   last complete checkpoint
     ckpt/step-0000050/...         DCP files of the checkpoint at step 50
@@ -208,6 +209,17 @@ class JobStore:
 
     def progress(self, generation: int) -> dict[str, Any] | None:
         return self.store.get_json(f"{self._gen(generation)}/progress.json")
+
+    def write_rank_steps(self, generation: int, rank: int, record: dict[str, Any]) -> None:
+        self.store.put_json(f"{self._gen(generation)}/steps/{rank}.json", record)
+
+    def rank_steps(self, generation: int, now: float) -> list[Any]:
+        """Every rank's step times as `RankSteps` (for the runtimes' watch), ages as of `now`."""
+        from spotrain.workflows.stragglers import RankSteps  # pydantic: not in training code
+
+        keys = self.store.list_keys(f"{self._gen(generation)}/steps/")
+        records = {int(Path(k).stem): self.store.get_json(k) for k in keys}
+        return [RankSteps.of(rank, r, now) for rank, r in sorted(records.items()) if r]
 
     def write_latest_checkpoint(self, step: int, path: str) -> None:
         self.store.put_json("ckpt/latest.json", {"step": step, "path": path})
