@@ -240,6 +240,20 @@ class JobState(BaseModel):
             self.steps_lost += self.step - resume
         self.step = resume
 
+    def note_checkpoints(self, stats: CheckpointStats, now: datetime) -> str | None:
+        """New checkpoint stats: on the timeline when one was skipped as unloadable, and when
+        checkpoints first stop fitting in a reclaim notice (that warning is returned, to log)."""
+        known = set(self.checkpoints.skipped) if self.checkpoints else set()
+        warned = self.checkpoint_report(now)
+        self.checkpoints = stats
+        for step in sorted(set(stats.skipped) - known):
+            self.record(now, "checkpoint skipped", f"step {step} did not load")
+        warning = self.checkpoint_report(now).warning
+        if not warning or (warned and warned.warning):
+            return None
+        self.record(now, "checkpoints too slow", warning)
+        return warning
+
     def remember(self, event_id: str | None) -> bool:
         """False if this event id was seen before (signals carry no dedupe id of their own)."""
         if event_id is None:

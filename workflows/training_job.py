@@ -35,7 +35,6 @@ with workflow.unsafe.imports_passed_through():
         start_failure,
         timed_scale_out,
     )
-    from spotrain.workflows.checkpoints import CheckpointStats
     from spotrain.workflows.contract import (
         CONFIG_ERROR,
         CleanupRequest,
@@ -48,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         SetBudget,
         WatchResult,
     )
+    from spotrain.workflows.departures import Departures
     from spotrain.workflows.fleet import Fleet, unless_cancelled
     from spotrain.workflows.history import history_is_long
     from spotrain.workflows.pool_member import PoolMember
@@ -114,6 +114,7 @@ class TrainingJob:
                 0, events.Reclaim(node_id=node_id, deadline=deadline, shrink=True)
             ),
         )
+        self.departures = Departures(s, self.fleet, self.ranks, self.swapper)
         if s.submitted_at is None:
             s.submitted_at = self._now()
             s.next_check = self._now() + timedelta(seconds=s.spec.elastic.capacity_check_interval_s)
@@ -320,28 +321,14 @@ class TrainingJob:
         outcome = self.ranks.outcome()
         return outcome is not None and await self._on_watch(outcome)
 
-    def _on_checkpoints(self, stats: CheckpointStats) -> None:
-        """New checkpoint stats: say (timeline, log) when one was skipped as unloadable, and
-        when checkpoints first stop fitting in a reclaim notice."""
-        s = self._active_state()
-        known = set(s.checkpoints.skipped) if s.checkpoints else set()
-        warned = s.checkpoint_report(self._now())
-        s.checkpoints = stats
-        for step in sorted(set(stats.skipped) - known):
-            s.record(self._now(), "checkpoint skipped", f"step {step} did not load")
-        warning = s.checkpoint_report(self._now()).warning
-        if warning and not (warned and warned.warning):
-            s.record(self._now(), "checkpoints too slow", warning)
-            workflow.logger.warning(f"{s.spec.name}: {warning}")
-
     async def _on_watch(self, w: WatchResult) -> bool:
         s = self._active_state()
         for notice in w.notices:  # found by ranks themselves: queued like the webhook's
             self.reclaim(notice)
         s.note_progress(w, self._now())
         deadline_hooks.observe(s, self._now())
-        if w.checkpoints is not None:
-            self._on_checkpoints(w.checkpoints)
+        if w.checkpoints is not None and (warn := s.note_checkpoints(w.checkpoints, self._now())):
+            workflow.logger.warning(f"{s.spec.name}: {warn}")
         if await self.stragglers.on_watch(w):  # (a node replaced: not a stall fault)
             return False
         verdict, detail = job_planner.watch_verdict(s, w, self._now())
@@ -392,7 +379,7 @@ class TrainingJob:
         for info in gone:
             node = s.node_by_id(info.node_id)
             if node is not None:
-                await self._node_gone(node, info.reason or "lost")
+                await self.departures.gone(node, info.reason or "lost")
         if failure := job_planner.restarts_exhausted(s, detail):
             raise JobFailed(failure)
 
@@ -434,11 +421,11 @@ class TrainingJob:
         while s.inbox:
             match s.inbox.pop(0):
                 case events.Reclaim() as event:
-                    await self._on_reclaim(event)
+                    await self.departures.on_reclaim(event)
                 case events.Lost(node_id=node_id):
                     node = s.node_by_id(node_id)
                     if node is not None and node.alive:
-                        await self._on_lost(node, "lost")
+                        await self.departures.on_lost(node, "lost")
                 case events.ScaleOut(count=count, timeout_s=timeout_s) as event:
                     if timeout_s is not None:
                         self.scale_out_waits.begin(event)
@@ -465,65 +452,6 @@ class TrainingJob:
                     await self._on_resume()
                 case events.Grant(grant=grant) if s.phase != Phase.PAUSED:
                     await self.pool.on_grant(grant)
-
-    async def _on_reclaim(self, event: events.Reclaim) -> None:
-        """A notice with time left: checkpoint, shrink onto the survivors, replace per policy."""
-        s = self._active_state()
-        if await self.swapper.on_notice(event):
-            return  # make-before-break: a replacement first, one resize later
-        plan = job_planner.reclaim_plan(s, event, self._now())
-        node = s.node_by_id(event.node_id)
-        if node is None or plan.action == "ignore":
-            return  # unknown or already gone: nothing to do, never a crash
-        if plan.action == "ignore rebalance":
-            s.record(self._now(), "rebalance recommendation ignored", node.node_id or "")
-        elif plan.action == "gone":
-            await self._node_gone(node, "reclaimed")
-        elif plan.action == "lost":
-            await self._on_lost(node, "reclaimed")
-        else:  # every member reclaimed by now leaves in the same resize
-            for absorbed in plan.absorbed:
-                s.inbox.remove(absorbed)
-            s.resizes += 1
-            names = ", ".join(n.node_id or "" for n in plan.leaving)
-            await self.ranks.stop(
-                graceful=True,
-                grace=plan.grace,
-                lost=[],
-                reason=f"reclaim notice for {names}",
-                notice_at=self._now(),
-                resize=True,
-            )
-            for n in plan.leaving:
-                await self._node_gone(n, "reclaimed")
-
-    async def _on_lost(self, node: NodeRecord, reason: str) -> None:
-        """A node already gone: stop at once, resume from the last periodic checkpoint."""
-        s = self._active_state()
-        if node.slot in s.members and s.running:
-            s.resizes += 1
-            s.losses += 1
-            await self.ranks.stop(
-                graceful=False,
-                grace=0,
-                lost=[node.node_id or ""],
-                reason=f"{node.node_id} {reason}",
-                resize=True,
-            )
-            s.hold_until = job_planner.replacement_hold(s, self._now())
-        await self._node_gone(node, reason)
-
-    async def _node_gone(self, node: NodeRecord, reason: str) -> None:
-        """Book a lost node and order its replacement per the reclaim policy."""
-        s = self._active_state()
-        if not node.alive:
-            return
-        after = job_planner.after_loss(s, node, reason)
-        s.reclaims += after.reclaim
-        await self.fleet.release([node], reason, state=NodeState.GONE)
-        s.owed += after.owe
-        s.target = after.target
-        await self.fleet.reconcile()
 
     async def _remove(self, victims: list[NodeRecord], why: str, released: str) -> None:
         """Checkpoint and restart without `victims` if they train, then release them."""
