@@ -50,6 +50,8 @@ from spotrain.workflows.contract import (
 )
 
 POLL_S = 0.25
+HEAD_START = "head_start.json"  # the membership prepare_generation started ranks for
+HEAD_START_WAIT_S = 240.0  # for them to be up (the running generation trains meanwhile)
 LIVE_POLL_S = 0.02  # a live stop's wait for parked ranks is part of the training pause
 START_FAILURE_WAIT_S = 10.0  # for every rank of a generation that failed before its first step
 TAIL_LINES, TAIL_BYTES = 5, 2000  # of a failed rank's output, for the job's fault message
@@ -220,9 +222,12 @@ class LocalRuntime:
         control = str(self.control_file(plan.job, plan.generation))
         store = checked_store(plan.checkpoint, time.time())
         reset_control(plan.checkpoint, plan.generation)
-        store.mark_started(plan.generation, time.time())  # one machine: all up
         live = plan.resize == "live"
-        adopted = live and self._adopt(plan, port, control, store)
+        parked = self._parked(plan, store) if live else {}
+        if live:
+            self._drop_head_start(plan, parked)  # (before any survivor's pid file is written)
+        adopted = live and self._adopt(plan, parked, port, control, store)
+        store.mark_started(plan.generation, time.time())  # one machine: all up
         rank = 0
         for node_index, member in enumerate(plan.members):
             for local_rank in range(member.procs):
@@ -236,6 +241,66 @@ class LocalRuntime:
                 command = launch_command(plan, node_index, sys.executable, local_rank)
                 self._launch(r, command, env, member.node_id, local_rank)
 
+    @activity.defn(name=contract.PREPARE_GENERATION)
+    def prepare_generation(self, plan: GenerationPlan) -> None:
+        """Live resize: start the next generation's new ranks (places no running rank will
+        take) ahead of it; they import torch and build their model, then wait in
+        `wait_for_gang` for `start_generation`, while the running generation trains on."""
+        gdir = self.gen_dir(plan.job, plan.generation)
+        gdir.mkdir(parents=True, exist_ok=True)
+        port, control = self._master_port(gdir), str(self.control_file(plan.job, plan.generation))
+        reset_control(plan.checkpoint, plan.generation)
+        _write_atomic(gdir / HEAD_START, plan.model_dump_json(include={"members"}))
+        running = {
+            ((rec := r.record() or {}).get("node_id"), rec.get("local_rank", 0))
+            for r in self._ranks(plan.job, plan.generation - 1)
+            if r.alive()
+        }
+        rank = 0
+        for node_index, member in enumerate(plan.members):
+            for local_rank in range(member.procs):
+                r = Rank(rank, gdir)
+                rank += 1
+                if (member.node_id, local_rank) in running or r.pid_file.exists():
+                    continue
+                env = self._env(plan, node_index, local_rank, port, control)
+                env[environment.STATE_FROM] = "peers"
+                command = launch_command(plan, node_index, sys.executable, local_rank)
+                self._launch(r, command, env, member.node_id, local_rank)
+        store = JobStore(plan.checkpoint)
+        ahead = self._ranks(plan.job, plan.generation)
+        self._wait(
+            lambda: all(
+                r.rank in store.waiting_ranks(plan.generation) or not r.alive() for r in ahead
+            ),
+            HEAD_START_WAIT_S,
+        )
+
+    def _drop_head_start(self, plan: GenerationPlan, parked: dict[int, dict[str, Any]]) -> None:
+        """Ranks started ahead (`prepare_generation`) for another membership than the one
+        starting now, or to take the state from peers when no survivor parked, are not this
+        generation's: gone, so that it starts its own."""
+        gdir = self.gen_dir(plan.job, plan.generation)
+        head_start = _read_json(gdir / HEAD_START)
+        if head_start is None:
+            return
+        if not parked or head_start != plan.model_dump(mode="json", include={"members"}):
+            ahead = self._ranks(plan.job, plan.generation)
+            self._kill(ahead)
+            for r in ahead:
+                r.pid_file.unlink(missing_ok=True)
+        (gdir / HEAD_START).unlink(missing_ok=True)
+
+    def _parked(self, plan: GenerationPlan, store: JobStore) -> dict[int, dict[str, Any]]:
+        """The previous generation's parked ranks (acked, alive): rank -> its pid record."""
+        previous = plan.generation - 1
+        acked = store.ack_steps(previous)
+        return {
+            r.rank: r.record() or {}
+            for r in self._ranks(plan.job, previous)
+            if r.rank in acked and r.alive()
+        }
+
     @staticmethod
     def _env(
         plan: GenerationPlan, node_index: int, local_rank: int, port: int, control: str
@@ -248,17 +313,19 @@ class LocalRuntime:
             env[environment.RESIZE] = "live"
         return env
 
-    def _adopt(self, plan: GenerationPlan, port: int, control: str, store: JobStore) -> bool:
+    def _adopt(
+        self,
+        plan: GenerationPlan,
+        parked: dict[int, dict[str, Any]],
+        port: int,
+        control: str,
+        store: JobStore,
+    ) -> bool:
         """Live resize: place the previous generation's parked ranks (alive, acked) on this
         generation's member nodes, keeping their local rank, and tell every parked rank its
         new environment or that it leaves (`gen-<previous>/next.json`). True if any was
         placed. The placement follows from the files, so a retry writes the same."""
         previous = plan.generation - 1
-        parked = {
-            r.rank: r.record() or {}
-            for r in self._ranks(plan.job, previous)
-            if r.rank in store.ack_steps(previous) and r.alive()
-        }
         gdir = self.gen_dir(plan.job, plan.generation)
         places: dict[str, dict[str, str] | None] = {str(old): None for old in parked}
         rank = 0
@@ -401,6 +468,7 @@ class LocalRuntime:
     def activities(self) -> list[Callable[..., Any]]:
         return [
             self.start_generation,
+            self.prepare_generation,
             self.stop_generation,
             self.watch_generation,
             self.cleanup_job,

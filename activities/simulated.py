@@ -240,6 +240,10 @@ class SimulatedRuntime:
                     plan=plan, started_at=start, start_step=job.checkpoint_step
                 )
 
+    @activity.defn(name=contract.PREPARE_GENERATION)
+    def prepare_generation(self, plan: GenerationPlan) -> None:
+        """Simulated ranks cost nothing to start: no head start to give."""
+
     @activity.defn(name=contract.STOP_GENERATION)
     def stop_generation(self, req: StopRequest) -> StopResult:
         with self._lock:
@@ -316,6 +320,7 @@ class SimulatedRuntime:
     def activities(self) -> list[Callable[..., object]]:
         return [
             self.start_generation,
+            self.prepare_generation,
             self.stop_generation,
             self.watch_generation,
             self.cleanup_job,

@@ -11,7 +11,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
         FIND_OFFERS,
         LAUNCH_NODE,
         NON_RETRYABLE_ERRORS,
+        PREPARE_GENERATION,
         RELEASE_NODES,
         START_GENERATION,
         STOP_GENERATION,
@@ -101,6 +102,17 @@ async def describe_nodes(req: DescribeRequest, summary: str) -> list[NodeInfo]:
 
 async def start_generation(plan: GenerationPlan, summary: str) -> None:
     await _run(START_GENERATION, plan, summary, timeout=timedelta(minutes=15), retry=QUICK)
+
+
+async def prepare_generation(plan: GenerationPlan, summary: str) -> None:
+    """Live resize: the next generation's new ranks start while the running one trains on.
+    Only a head start: if it fails, `start_generation` starts them."""
+    try:
+        await _run(PREPARE_GENERATION, plan, summary, timeout=timedelta(minutes=5), retry=QUICK)
+    except ActivityError as err:
+        if is_cancelled_exception(err):
+            raise
+        workflow.logger.warning(f"{plan.job}: generation {plan.generation}, no head start: {err}")
 
 
 def watch_generation(req: WatchRequest, summary: str) -> ActivityHandle[WatchResult]:

@@ -230,14 +230,19 @@ def next_generation(state: JobState, now: datetime, *, launching: bool) -> NextG
     return NextGeneration(planner.choose_members(state.members, candidates, size), None)
 
 
-def generation_plan(state: JobState) -> GenerationPlan:
+def generation_plan(state: JobState, next_members: list[int] | None = None) -> GenerationPlan:
     """What the runtime starts for the state's (new) generation: its members in rank order,
-    and the `scale_config` entry of its world size."""
-    spec, nodes = state.spec, state.member_nodes
+    and the `scale_config` entry of its world size. `next_members`: the plan of the generation
+    after the running one, on those slots (a live resize's head start)."""
+    spec = state.spec
+    if next_members is None:
+        nodes, generation = state.member_nodes, state.generation
+    else:
+        nodes, generation = [state.node(m) for m in next_members], state.generation + 1
     world = sum(n.procs for n in nodes)
     return GenerationPlan(
         job=spec.name,
-        generation=state.generation,
+        generation=generation,
         members=[Member(node_id=n.node_id or "", address=n.address, procs=n.procs) for n in nodes],
         command=spec.command,
         env=spec.env,

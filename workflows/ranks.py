@@ -49,6 +49,17 @@ class Ranks:
         )
         self.set_phase(Phase.RUNNING)
 
+    async def prepare(self, members: list[int]) -> None:
+        """Live resize: the next generation's new ranks (growth, a replacement) start now,
+        importing and building their model while this generation trains on, so the resize
+        itself waits for none of that."""
+        s = self.s
+        if s.spec.elastic.resize == "live" and s.running:
+            plan = job_planner.generation_plan(s, next_members=members)
+            await calls.prepare_generation(
+                plan, f"head start of generation {plan.generation}'s new ranks"
+            )
+
     def watch(self) -> workflow.ActivityHandle[WatchResult] | None:
         """The watch on the running generation, started anew once the report interval is up
         (a runtime that answers early is not polled again before then)."""

@@ -316,6 +316,7 @@ class TrainingJob:
         growth_at = self._growth_at()
         if growth_at is not None and self._now() >= growth_at:
             plan = job_planner.growth_plan(s) or []
+            await self.ranks.prepare(plan)
             await self._resize(reason="grow", detail=f"{len(s.members)} -> {len(plan)} node(s)")
             return False
         outcome = self.ranks.outcome()

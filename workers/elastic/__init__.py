@@ -131,6 +131,8 @@ def wait_for_gang(poll_s: float = 0.2) -> Settings:
     generation's settings. A rolled-back gang never gets the mark: its pods are deleted."""
     s = settings()
     channel = _channel or _start()
+    if not store().started(s.generation):
+        store().mark_waiting(s.generation, s.rank, time.time())
     while not store().started(s.generation):
         if channel.latched:  # stopped before it started: nothing to checkpoint
             logging.getLogger("spotrain.elastic").warning("elastic event before the gang start")

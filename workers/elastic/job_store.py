@@ -5,6 +5,7 @@ the same keys under the job's `checkpoint` location (`file:///path` or `s3://buc
 
     probe.json                    {"time": t}              the runtime can write and read here
     gen-00003/started.json        {"time": t}              every node of the gang is up
+    gen-00003/waiting/<rank>.json {"time": t}              rank up, waiting for the start
     gen-00003/ack/<rank>.json     {"step": n, "time": t}   rank checkpointed after an event
     gen-00003/progress.json       {"step": n, "time": t}   rank 0, throttled
     gen-00003/steps/<rank>.json   {"step", "time", "recent_s", "usual_s"}  every rank, throttled
@@ -165,6 +166,14 @@ class JobStore:
 
     def started(self, generation: int) -> bool:
         return self.store.get_json(f"{self._gen(generation)}/started.json") is not None
+
+    def mark_waiting(self, generation: int, rank: int, time: float) -> None:
+        """A rank is up and waits for its generation's start (what a head start waits for)."""
+        self.store.put_json(f"{self._gen(generation)}/waiting/{rank}.json", {"time": time})
+
+    def waiting_ranks(self, generation: int) -> set[int]:
+        keys = self.store.list_keys(f"{self._gen(generation)}/waiting/")
+        return {int(Path(k).stem) for k in keys}
 
     def write_ack(self, generation: int, rank: int, step: int, time: float) -> None:
         self.store.put_json(
