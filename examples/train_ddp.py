@@ -10,7 +10,10 @@ whole rank contract:
 - a sampler keyed by the global sample position: step s consumes positions
   [s*G, (s+1)*G) of an endless stream of per-epoch permutations, split over the ranks by the
   uneven local batches, so no sample is repeated or skipped across resizes;
-- exit 0 after an elastic event (checkpoint, then ack), or after the done marker.
+- exit 0 after an elastic event (checkpoint, then ack), or after the done marker;
+- live resize (`elastic.resize: live`, spotrain.elastic.live): on a membership change this
+  process parks holding its step, joins the next generation's process group and trains on;
+  a joiner takes the survivors' state; a peer lost mid-step costs only that step.
 
 scale_config keys (per world size): lr, ckpt_every. `--record DIR` appends each rank's
 consumed positions and rank 0's losses there as JSON lines (the tests check them).

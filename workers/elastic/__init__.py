@@ -126,10 +126,13 @@ def store() -> JobStore:
     return JobStore(settings().checkpoint)
 
 
-def wait_for_gang(poll_s: float = 0.2) -> Settings:
+def wait_for_gang(poll_s: float | None = None) -> Settings:
     """Block until the runtime marked this generation started (all its nodes up); then the
-    generation's settings. A rolled-back gang never gets the mark: its pods are deleted."""
+    generation's settings. A rolled-back gang never gets the mark: its pods are deleted.
+    Polled every 0.2 s on s3://, 0.02 s on files (a live resize's joiner waits on it)."""
     s = settings()
+    if poll_s is None:
+        poll_s = 0.2 if s.checkpoint.startswith("s3://") else 0.02
     channel = _channel or _start()
     if not store().started(s.generation):
         store().mark_waiting(s.generation, s.rank, time.time())
