@@ -217,7 +217,7 @@ class KubeRuntime:
                 type=contract.CONFIG_ERROR,
                 non_retryable=True,
             )
-        store = checked_store(plan.checkpoint, time.time())
+        store = checked_store(plan.checkpoint, time.time(), plan.generation)
         ns = self._ns(plan.job)
         deadline = time.monotonic() + self.gang_timeout_s
         hosts = self._node_hostnames([m.node_id for m in plan.members], deadline)

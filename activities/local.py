@@ -220,7 +220,7 @@ class LocalRuntime:
         gdir.mkdir(parents=True, exist_ok=True)
         port = self._master_port(gdir)
         control = str(self.control_file(plan.job, plan.generation))
-        store = checked_store(plan.checkpoint, time.time())
+        store = checked_store(plan.checkpoint, time.time(), plan.generation)
         reset_control(plan.checkpoint, plan.generation)
         live = plan.resize == "live"
         parked = self._parked(plan, store) if live else {}

@@ -217,10 +217,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--step-time", type=float, default=0.02, help="sleep per step (s)")
     parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint (steps)")
     parser.add_argument("--modes", nargs="+", default=["restart", "live"])
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "live_resize.json")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     out, rows = report(asyncio.run(run(args)), args)
-    publish(out, rows, COLUMNS, args.out)
+    publish(out, rows, COLUMNS, args.out / "live_resize.json")
     return out
 
 

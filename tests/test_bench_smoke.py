@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
-from bench import checkpoint, goodput, reaction, scale
+from bench import checkpoint, goodput, live_resize, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
 
 # Two zones of 4 nodes at 300 s ticks: all, then a drop, a gap, and back.
@@ -143,6 +143,19 @@ def test_reaction_benchmark_with_real_processes(tmp_path: Path) -> None:
     assert overhead["n"] == 4  # each reclaim: shrink, then grow back onto the replacement
     assert overhead["median"] < 30_000
     assert json.loads((tmp_path / "reaction.json").read_text())["setup"]["reclaims"] == 2
+
+
+def test_live_resize_benchmark_with_real_ddp_ranks(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    argv = ["--reclaims", "1", "--losses", "1", "--modes", "live", "--out", str(tmp_path)]
+    report = live_resize.main(argv)
+    rows = {(r["kind"], r["mode"]): r for r in report["rows"]}
+    assert rows[("shrink on notice", "live")]["n"] == 1
+    assert rows[("growth", "live")]["n"] == 2  # back onto each replacement
+    assert rows[("loss without notice", "live")]["n"] == 1
+    assert rows[("steps lost per loss", "live")]["max"] <= 1
+    assert all(0 < r["median"] < 60 for k, r in rows.items() if k[0] != "steps lost per loss")
+    assert json.loads((tmp_path / "live_resize.json").read_text())["settings"]["losses"] == 1
 
 
 def test_checkpoint_benchmark_sync_and_async_to_files_and_s3(tmp_path: Path) -> None:

@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.local import LocalRuntime, Rank, _proc_start_time
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import (
+    CONFIG_ERROR,
     CleanupRequest,
     GenerationPlan,
     Member,
@@ -336,4 +338,24 @@ def test_a_stale_stop_left_by_an_earlier_job_is_not_obeyed(
     wait_for(env, rt, p, 40)  # over a second of steps: several polls of the control record
     assert all(r.alive() for r in rt._ranks("job", 0))
     assert JobStore(p.checkpoint).acked_ranks(0) == []
+    env.run(rt.cleanup_job, CleanupRequest(job="job"))
+
+
+def test_a_finished_jobs_location_is_refused_at_the_first_start(
+    env: ActivityEnvironment, tmp_path: Path, worker: Path
+) -> None:
+    """A reused name started by any means (`temporal workflow start` too): the first
+    generation finds the earlier job's completion marker and fails the job, saying how to
+    resume; `spotrain submit --resume` (which removes the marker) starts."""
+    rt = LocalRuntime(tmp_path / "rt")
+    p = plan(tmp_path, worker, "train", generation=1)
+    JobStore(p.checkpoint).write_done(600, 0)
+    with pytest.raises(ApplicationError) as refused:
+        env.run(rt.start_generation, p)
+    assert refused.value.type == CONFIG_ERROR and refused.value.non_retryable
+    assert "already finished (step 600)" in str(refused.value) and "--resume" in str(refused.value)
+    assert rt._ranks("job", 1) == []  # nothing started
+    JobStore(p.checkpoint).reopen()
+    env.run(rt.start_generation, p)
+    assert len(rt._ranks("job", 1)) == 3
     env.run(rt.cleanup_job, CleanupRequest(job="job"))

@@ -348,9 +348,11 @@ def reap_checkpoints(root: str, job_exists: Callable[[str], bool], apply: bool) 
     return gone
 
 
-def checked_store(uri: str, now: float) -> JobStore:
+def checked_store(uri: str, now: float, generation: int) -> JobStore:
     """For the activities that start a generation: the job's store once `check` passed; a
-    location that refuses spotrain fails the job (a non-retryable ConfigError) at once."""
+    location that refuses spotrain fails the job (a non-retryable ConfigError) at once, and
+    so does a first generation where a finished job left its completion marker (a reused
+    name, however the job was started: `spotrain submit --resume` removes the marker)."""
     from temporalio.exceptions import ApplicationError  # activities only, not training code
 
     from spotrain.workflows.contract import CONFIG_ERROR
@@ -360,6 +362,13 @@ def checked_store(uri: str, now: float) -> JobStore:
         store.check(now)
     except StoreUnusable as err:
         raise ApplicationError(str(err), type=CONFIG_ERROR, non_retryable=True) from None
+    if generation == 1 and (done := store.done()) is not None:
+        raise ApplicationError(
+            f"{uri} holds a job that already finished (step {done.get('step')}): resume it "
+            "with `spotrain submit --resume`, or give this run a new checkpoint location",
+            type=CONFIG_ERROR,
+            non_retryable=True,
+        )
     return store
 
 
