@@ -195,6 +195,7 @@ class KubeRuntime:
     def activities(self) -> list[Callable[..., Any]]:
         return [
             self.start_generation,
+            self.prepare_generation,
             self.stop_generation,
             self.watch_generation,
             self.cleanup_job,
@@ -258,6 +259,11 @@ class KubeRuntime:
                 type=GANG_ERROR,
             ) from None
         store.mark_started(plan.generation, time.time())  # the gang goes
+
+    @activity.defn(name=contract.PREPARE_GENERATION)
+    def prepare_generation(self, plan: GenerationPlan) -> None:
+        """No head start: pods do not resize live yet (they get no SPOTRAIN_RESIZE), so the
+        next generation's pods are all created by `start_generation`."""
 
     @activity.defn(name=contract.STOP_GENERATION)
     @_config_errors

@@ -133,15 +133,19 @@ def pauses(timeline: list[TimelineEntry], record: Path) -> dict[str, Any]:
     ]
     out: dict[str, list[float]] = {k: [] for k in KINDS}
     lost: list[int] = []
+    slow: list[dict[str, Any]] = []  # pauses over 5 s: the stop as the timeline tells it
     for stop in stops:
         kind, g = kind_of(stop), stop.generation
         before, after = steps.get(g), steps.get(g + 1)
         if kind is None or not before or not after:
             continue  # (the last generation, cancelled at the end)
-        out[kind].append(min(e["time"] for e in after) - max(e["time"] for e in before))
+        pause = min(e["time"] for e in after) - max(e["time"] for e in before)
+        out[kind].append(pause)
+        if pause > 5:
+            slow.append({"generation": g, "pause_s": pause, "stop": f"{stop.event}: {stop.detail}"})
         if kind == "loss without notice":
             lost.append(max(e["step"] for e in before) - (min(e["step"] for e in after) - 1))
-    return {"pause_s": out, "steps_lost": lost}
+    return {"pause_s": out, "steps_lost": lost, "slow": slow}
 
 
 async def run_mode(
