@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -194,9 +195,19 @@ def train(
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except SystemExit as leave:  # (sys.exit with a message, or the library's exit 0)
+        if isinstance(leave.code, str):
+            print(leave.code, file=sys.stderr)
+        code = leave.code if isinstance(leave.code, int) else int(leave.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
-    # Leave without tearing the process group down: gloo's teardown can deadlock on the GIL
-    # with its own worker thread (pytorch/pytorch#75097), and a rank that never exits stalls
-    # the generation. Every collective is over by now; the OS frees the rest.
+    sys.stderr.flush()
+    # Leave without tearing the process group down, whatever ended the rank: gloo's teardown
+    # can deadlock on the GIL with its own worker thread (pytorch/pytorch#75097), and a rank
+    # that never exits stalls the generation (its stop waits out the grace period). The OS
+    # frees the rest.
     os._exit(code)

@@ -199,7 +199,7 @@ def test_forbidden_or_missing_bucket_fails_the_start_with_the_stores_message(
     with pytest.raises(StoreUnusable, match="NoSuchBucket"):
         JobStore("s3://no-such-bucket-here/job").check(time.time())
     with pytest.raises(ApplicationError, match="NoSuchBucket") as err:
-        checked_store("s3://no-such-bucket-here/job", time.time())
+        checked_store("s3://no-such-bucket-here/job", time.time(), 1)
     assert err.value.type == CONFIG_ERROR and err.value.non_retryable
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")

@@ -20,11 +20,13 @@ pytest.importorskip("torch")
 
 
 def steps_by_generation(record: Path) -> dict[int, list[dict]]:
-    """Rank 0's record of every step it trained, per generation."""
+    """Rank 0's record of every step it trained, per generation that trained any (one
+    stopped again before its first step, as a live resize's may be, leaves an empty file)."""
     out: dict[int, list[dict]] = {}
     for f in record.glob("gen-*-rank-0.jsonl"):
         generation = int(f.stem.split("-")[1])
-        out[generation] = [json.loads(line) for line in f.read_text().splitlines()]
+        if steps := [json.loads(line) for line in f.read_text().splitlines()]:
+            out[generation] = steps
     return dict(sorted(out.items()))
 
 
