@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -103,6 +103,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _places(plan: GenerationPlan) -> Iterator[tuple[int, int, str, int]]:
+    """(rank, node index, node id, local rank) of every process of the plan, in rank order."""
+    rank = 0
+    for node_index, member in enumerate(plan.members):
+        for local_rank in range(member.procs):
+            yield rank, node_index, member.node_id, local_rank
+            rank += 1
 
 
 def _reap(pid: int) -> None:
@@ -228,18 +237,15 @@ class LocalRuntime:
             self._drop_head_start(plan, parked)  # (before any survivor's pid file is written)
         adopted = live and self._adopt(plan, parked, port, control, store)
         store.mark_started(plan.generation, time.time())  # one machine: all up
-        rank = 0
-        for node_index, member in enumerate(plan.members):
-            for local_rank in range(member.procs):
-                r = Rank(rank, gdir)
-                rank += 1
-                if r.pid_file.exists():
-                    continue
-                env = self._env(plan, node_index, local_rank, port, control)
-                if live:
-                    env[environment.STATE_FROM] = "peers" if adopted else "checkpoint"
-                command = launch_command(plan, node_index, sys.executable, local_rank)
-                self._launch(r, command, env, member.node_id, local_rank)
+        for rank, node_index, node_id, local_rank in _places(plan):
+            r = Rank(rank, gdir)
+            if r.pid_file.exists():
+                continue
+            env = self._env(plan, node_index, local_rank, port, control)
+            if live:
+                env[environment.STATE_FROM] = "peers" if adopted else "checkpoint"
+            command = launch_command(plan, node_index, sys.executable, local_rank)
+            self._launch(r, command, env, node_id, local_rank)
 
     @activity.defn(name=contract.PREPARE_GENERATION)
     def prepare_generation(self, plan: GenerationPlan) -> None:
@@ -256,17 +262,14 @@ class LocalRuntime:
             for r in self._ranks(plan.job, plan.generation - 1)
             if r.alive()
         }
-        rank = 0
-        for node_index, member in enumerate(plan.members):
-            for local_rank in range(member.procs):
-                r = Rank(rank, gdir)
-                rank += 1
-                if (member.node_id, local_rank) in running or r.pid_file.exists():
-                    continue
-                env = self._env(plan, node_index, local_rank, port, control)
-                env[environment.STATE_FROM] = "peers"
-                command = launch_command(plan, node_index, sys.executable, local_rank)
-                self._launch(r, command, env, member.node_id, local_rank)
+        for rank, node_index, node_id, local_rank in _places(plan):
+            r = Rank(rank, gdir)
+            if (node_id, local_rank) in running or r.pid_file.exists():
+                continue
+            env = self._env(plan, node_index, local_rank, port, control)
+            env[environment.STATE_FROM] = "peers"
+            command = launch_command(plan, node_index, sys.executable, local_rank)
+            self._launch(r, command, env, node_id, local_rank)
         store = JobStore(plan.checkpoint)
         ahead = self._ranks(plan.job, plan.generation)
         self._wait(
@@ -328,31 +331,21 @@ class LocalRuntime:
         previous = plan.generation - 1
         gdir = self.gen_dir(plan.job, plan.generation)
         places: dict[str, dict[str, str] | None] = {str(old): None for old in parked}
-        rank = 0
-        for node_index, member in enumerate(plan.members):
-            for local_rank in range(member.procs):
-                old = next(
-                    (
-                        o
-                        for o, rec in parked.items()
-                        if rec.get("node_id") == member.node_id
-                        and rec.get("local_rank", 0) == local_rank
-                    ),
-                    None,
-                )
-                if old is not None:
-                    was = Rank(old, self.gen_dir(plan.job, previous))
-                    rec = parked[old]
-                    _write_atomic(
-                        Rank(rank, gdir).pid_file,
-                        json.dumps({**rec, "exit": rec.get("exit") or str(was.exit_file)}),
-                    )
-                    log = Rank(rank, gdir).log_file
-                    if not log.exists():
-                        log.symlink_to(was.log_file.resolve())
-                    env = self._env(plan, node_index, local_rank, port, control)
-                    places[str(old)] = {k: v for k, v in env.items() if k not in plan.env}
-                rank += 1
+        by_place = {(rec.get("node_id"), rec.get("local_rank", 0)): o for o, rec in parked.items()}
+        for rank, node_index, node_id, local_rank in _places(plan):
+            old = by_place.get((node_id, local_rank))
+            if old is None:
+                continue
+            was, rec = Rank(old, self.gen_dir(plan.job, previous)), parked[old]
+            _write_atomic(
+                Rank(rank, gdir).pid_file,
+                json.dumps({**rec, "exit": rec.get("exit") or str(was.exit_file)}),
+            )
+            log = Rank(rank, gdir).log_file
+            if not log.exists():
+                log.symlink_to(was.log_file.resolve())
+            env = self._env(plan, node_index, local_rank, port, control)
+            places[str(old)] = {k: v for k, v in env.items() if k not in plan.env}
         store.write_next(previous, {"generation": plan.generation, "ranks": places})
         return any(place is not None for place in places.values())
 

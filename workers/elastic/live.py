@@ -7,9 +7,9 @@ A training loop supports it in a few lines (examples/train_ddp.py is the whole o
     dist.init_process_group(backend, timeout=live.collective_timeout())
     step = -1 if live.state_from_peers() else load_checkpoint(model, optim)
     while True:
-        step = live.sync(model, optim, step)    # every rank takes the most advanced state
-        ddp = DistributedDataParallel(model)    # (rebuilt for each membership)
         try:
+            step = live.sync(model, optim, step)    # every rank takes the most advanced state
+            ddp = DistributedDataParallel(model)    # (rebuilt for each membership)
             ...train; on the elastic event: checkpoint if live.wants_checkpoint()...
         except Exception as err:
             if not live.peer_failed(err):
@@ -31,9 +31,10 @@ How the runtime and the library meet, through the job's store (job_store.py):
 - A parked rank polls that record (every 20 ms on file://, 100 ms on s3://), tears the old
   process group down, takes the new environment and joins the new group. With no next
   generation within `SPOTRAIN_PARK_TIMEOUT_S` (default 600 s), or on SIGTERM, it leaves.
-- If the new group does not form (a survivor hung, a peer died on the way), its ranks fail
-  within the collective timeout, and the job restarts from the last checkpoint as in
-  restart mode.
+- If the new group does not form (a survivor hung, a peer died on the way), the ranks that
+  came park again within the collective timeout; the runtime reports a parked rank nobody
+  stopped as a fault, and the next generation goes on from their memory (from the last
+  checkpoint only when no survivor is left).
 """
 
 from __future__ import annotations
