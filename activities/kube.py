@@ -25,38 +25,50 @@ terminationGracePeriodSeconds is the job's graceful timeout: SIGTERM is an elast
 Acks and progress come from the checkpoint store.
 
 Every object carries the labels spotrain.io/managed=true, spotrain.io/job and (pods)
-spotrain.io/generation and spotrain.io/rank; cleanup selects by them. Waits use a list and then a
-watch from its resourceVersion, heartbeating at least every `watch_s` seconds.
+spotrain.io/generation and spotrain.io/rank; cleanup selects by them. The API calls
+themselves (create-or-get, delete-if-present, list-then-watch) are in kube_api.py; live
+resize (`elastic.resize: live`: parked pods stay and are adopted) is explained in
+kube_live.py.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from kubernetes import client, config, watch
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from spotrain.activities import kube_live
+from spotrain.activities.kube_api import (
+    ENDED,
+    GANG_ERROR,
+    PodApi,
+    Pods,
+    absent,
+    config_errors,
+    ready,
+)
 from spotrain.activities.kube_objects import (
     CONTROL,
+    GENERATION,
     LOGIN_TYPES,
     MEMBERS,
     NODE_ID,
-    PROCS,
     RANK,
+    SPEC,
     STOP,
     hosts_body,
     hosts_name,
     owner_selector,
     pod_body,
+    pod_ranks,
     service_body,
     ssh_secret_body,
 )
@@ -72,7 +84,7 @@ from spotrain.workflows.contract import (
     WatchResult,
 )
 
-GANG_ERROR = "GangStartError"  # retryable: the workflow's retry policy re-runs the gang start
+LIVE_ACK_POLL_S = 0.02
 MERGE_PATCH = "application/merge-patch+json"
 
 # Spot nodes are often tainted so that only spot-tolerant work lands on them.
@@ -82,58 +94,6 @@ SPOT_TOLERATIONS: tuple[dict[str, str], ...] = (
     {"key": "eks.amazonaws.com/capacityType", "operator": "Exists"},
     {"key": "cloud.google.com/gke-spot", "operator": "Exists"},
 )
-
-T = TypeVar("T")
-Pods = dict[str, client.V1Pod]
-
-
-def _config_errors(fn: Callable[..., T]) -> Callable[..., T]:
-    """401/403 (RBAC) and 422 (invalid object) will not heal on retry: fail the job, quoting
-    the server's reason (which names the refused verb or the invalid field)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        try:
-            return fn(*args, **kwargs)
-        except ApiException as err:
-            if err.status in (401, 403, 422):
-                raise ApplicationError(
-                    f"kubernetes API refused ({err.status} {err.reason}): {_message(err)}",
-                    type=contract.CONFIG_ERROR,
-                    non_retryable=True,
-                ) from err
-            raise
-
-    return wrapper
-
-
-def _message(err: ApiException) -> str:
-    """The `Status` message the server sent (which names the offending field), else the body."""
-    try:
-        return str(json.loads(err.body)["message"])
-    except (TypeError, ValueError, KeyError):
-        return str(err.body or "")
-
-
-def instance_id(node: client.V1Node) -> str | None:
-    """EC2 instance id of a node: the instance-id label, else providerID's last segment."""
-    labels = node.metadata.labels or {}
-    if "node.kubernetes.io/instance-id" in labels:
-        return labels["node.kubernetes.io/instance-id"]
-    provider = node.spec.provider_id if node.spec else None
-    return provider.rsplit("/", 1)[-1] if provider else None
-
-
-def _ranks(pod: client.V1Pod) -> set[int]:
-    first = int(pod.metadata.labels[RANK])
-    return set(range(first, first + int(pod.metadata.annotations[PROCS])))
-
-
-def _ready(pod: client.V1Pod) -> bool:
-    conditions = (pod.status and pod.status.conditions) or []
-    return pod.status.phase == "Running" and any(
-        c.type == "Ready" and c.status == "True" for c in conditions
-    )
 
 
 def _exit_code(pod: client.V1Pod) -> int | None:
@@ -159,7 +119,7 @@ class GangFailed(Exception):
     """A pod of the gang ended before the gang started."""
 
 
-class KubeRuntime:
+class KubeRuntime(PodApi):
     """Rank runtime activities over the Kubernetes API.
 
     `namespace` may contain `{job}` for a namespace per job (created beforehand, with the Role
@@ -176,6 +136,7 @@ class KubeRuntime:
         gang_timeout_s: float = 600.0,
         watch_s: int = 4,
         ack_poll_s: float = 0.5,
+        head_start_s: float = 240.0,
         tolerations: tuple[dict[str, str], ...] = SPOT_TOLERATIONS,
     ) -> None:
         if api_client is None:
@@ -184,12 +145,11 @@ class KubeRuntime:
             except config.ConfigException:
                 config.load_kube_config()
             api_client = client.ApiClient()
-        self.core = client.CoreV1Api(api_client)
+        super().__init__(client.CoreV1Api(api_client), watch_s, gang_timeout_s)
         self.namespace = namespace
         self.master_port = master_port
-        self.gang_timeout_s = gang_timeout_s
-        self.watch_s = watch_s
         self.ack_poll_s = ack_poll_s
+        self.head_start_s = head_start_s
         self.tolerations = tolerations
 
     def activities(self) -> list[Callable[..., Any]]:
@@ -207,11 +167,12 @@ class KubeRuntime:
     # --- activities ------------------------------------------------------------------------
 
     @activity.defn(name=contract.START_GENERATION)
-    @_config_errors
+    @config_errors
     def start_generation(self, plan: GenerationPlan) -> None:
-        """Create the generation's pods (create-or-get) and wait until all are Running+Ready,
-        then mark the generation started (the training library's `wait_for_gang` lets ranks
-        go); past `gang_timeout_s`, delete them and raise naming the stuck pods and why."""
+        """Create the generation's pods (create-or-get; live: adopt the parked ones, see
+        kube_live.py) and wait until all are Running+Ready, then mark the generation started
+        with rank 0's pod IP (the training library's `wait_for_gang` lets ranks go); past
+        `gang_timeout_s`, delete the pods it made and raise naming the stuck pods and why."""
         if not plan.image:
             raise ApplicationError(
                 "the Kubernetes runtime needs the job's `image`",
@@ -221,106 +182,153 @@ class KubeRuntime:
         store = checked_store(plan.checkpoint, time.time(), plan.generation)
         ns = self._ns(plan.job)
         deadline = time.monotonic() + self.gang_timeout_s
-        hosts = self._node_hostnames([m.node_id for m in plan.members], deadline)
         self._create(
             self.core.create_namespaced_service, ns, service_body(plan.job, self.master_port)
         )
         if plan.job_type in LOGIN_TYPES:
             self._put_hosts(ns, plan)
             self._put_ssh_keys(ns, plan.job)
-        names = set()
         reset_control(plan.checkpoint, plan.generation)  # no stale 'stop' obeyed
-        for index, member in enumerate(plan.members):
-            body = pod_body(
-                plan, index, hosts[member.node_id], ns, self.master_port, self.tolerations
-            )
-            self._create(self.core.create_namespaced_pod, ns, body)
-            names.add(body["metadata"]["name"])
+        adopted = self._adopt(ns, plan, store) if plan.resize == "live" else {}
+        made = self._make_pods(ns, plan, adopted, deadline)
+        names = set(made) | set(adopted.values())
 
         def all_ready(pods: Pods) -> bool | None:
-            ended = [p.metadata.name for p in pods.values() if p.status.phase in _ENDED]
+            ended = [p.metadata.name for p in pods.values() if p.status.phase in ENDED]
             gone = names - pods.keys()
             if ended or gone:
                 raise GangFailed(f"pods ended or vanished before the start: {ended or gone}")
-            return all(_ready(p) for p in pods.values()) or None
+            return all(ready(p) for p in pods.values()) or None
 
         selector = owner_selector(plan.job, plan.generation)
         try:
-            ready, pods = self._wait_pods(ns, selector, all_ready, deadline)
-            if not ready:
-                stuck = [f"{n} ({why_stuck(p)})" for n, p in sorted(pods.items()) if not _ready(p)]
+            started, pods = self._wait_pods(ns, selector, all_ready, deadline)
+            if not started:
+                stuck = [f"{n} ({why_stuck(p)})" for n, p in sorted(pods.items()) if not ready(p)]
                 raise GangFailed(
                     f"not Running and Ready after {self.gang_timeout_s:g}s: {'; '.join(stuck)}"
                 )
         except GangFailed as err:
-            self._delete_pods(ns, names, grace_s=0)
+            # (adopted survivors stay parked in this generation: a retry keeps them)
+            self._delete_pods(ns, set(made), grace_s=0)
             raise ApplicationError(
                 f"gang start of {plan.job} generation {plan.generation} rolled back: {err}",
                 type=GANG_ERROR,
             ) from None
-        store.mark_started(plan.generation, time.time())  # the gang goes
+        master = pods[kube_live.master_pod(plan, adopted)].status.pod_ip
+        store.mark_started(
+            plan.generation, time.time(), {"MASTER_ADDR": master} if master else None
+        )
 
     @activity.defn(name=contract.PREPARE_GENERATION)
+    @config_errors
     def prepare_generation(self, plan: GenerationPlan) -> None:
-        """No head start: pods do not resize live yet (they get no SPOTRAIN_RESIZE), so the
-        next generation's pods are all created by `start_generation`."""
+        """Live resize's head start: make the next generation's new pods now, as its start
+        would if every running pod parks, and wait (up to `head_start_s`) for their ranks to
+        be up (torch imported, waiting for the gang start) while this generation trains on."""
+        if plan.resize != "live":
+            return
+        ns = self._ns(plan.job)
+        running, _ = self._list_pods(ns, owner_selector(plan.job, plan.generation - 1))
+        staying = {n: kube_live.ParkedPod.of(p) for n, p in running.items() if ready(p)}
+        port = kube_live.rendezvous_port(self.master_port, plan)
+        adopted = kube_live.place(plan, staying, ns, port).adopted
+        if not adopted:
+            return  # nobody would hand the state over: the start makes every pod
+        reset_control(plan.checkpoint, plan.generation)
+        deadline = time.monotonic() + self.head_start_s
+        made = self._make_pods(ns, plan, adopted, deadline)
+        store = JobStore(plan.checkpoint)
+
+        def up(pods: Pods) -> bool | None:
+            mine = [pods.get(name) for name in made]
+            if any(p is not None and p.status.phase in ENDED for p in mine):
+                return True  # (its start will say why)
+            if not all(p is not None and ready(p) for p in mine):
+                return None
+            ranks = set().union(*(pod_ranks(p) for p in mine))
+            return ranks <= store.waiting_ranks(plan.generation) or None
+
+        self._wait_pods(ns, owner_selector(plan.job, plan.generation), up, deadline, periodic=True)
 
     @activity.defn(name=contract.STOP_GENERATION)
-    @_config_errors
+    @config_errors
     def stop_generation(self, req: StopRequest) -> StopResult:
         """Pods on lost nodes (named in the request, or whose Node object is gone) go at once;
-        if graceful, raise the elastic event on the others, wait up to `grace_s` for their
-        acks, then delete them with that grace period, all but Failed ones (kept for
-        debugging until cleanup). Returns once the pods are gone."""
+        if graceful (or live), raise the elastic event on the others and wait up to `grace_s`
+        for their acks. Live: a pod whose ranks all acked is parked and stays (kube_live.py).
+        The rest are deleted with that grace period, all but Failed ones (kept for debugging
+        until cleanup). Returns once they are gone."""
         ns = self._ns(req.job)
         selector = owner_selector(req.job, req.generation)
         store = JobStore(req.checkpoint)
-        pods = self.core.list_namespaced_pod(ns, label_selector=selector).items
-        gone = set(self._gone_nodes({p.metadata.name: p for p in pods}))
+        pods, _ = self._list_pods(ns, selector)
+        gone = set(self._gone_nodes(pods))
         lost = {
-            p.metadata.name
-            for p in pods
+            n
+            for n, p in pods.items()
             if p.metadata.annotations[NODE_ID] in req.lost_node_ids or p.spec.node_name in gone
         }
         self._delete_pods(ns, lost, grace_s=0)
-        rest = [p for p in pods if p.metadata.name not in lost]
-        expected = {r for p in rest if p.status.phase not in _ENDED for r in _ranks(p)}
-        if req.graceful and expected:
+        rest = {n: p for n, p in pods.items() if n not in lost}
+        expected = {r for p in rest.values() if p.status.phase not in ENDED for r in pod_ranks(p)}
+        if (req.graceful or req.live) and expected:
             raise_elastic_event(req)  # the control record the ranks poll (< 1 s)
-            for pod in rest:  # the downwardAPI fallback
-                self.core.patch_namespaced_pod(
-                    pod.metadata.name,
-                    ns,
-                    {"metadata": {"annotations": {CONTROL: STOP}}},
-                    _content_type=MERGE_PATCH,
-                )
-            ack_deadline = time.monotonic() + req.grace_s
-            while not expected <= set(store.acked_ranks(req.generation)):
-                if time.monotonic() >= ack_deadline:
-                    break
-                activity.heartbeat()
-                time.sleep(self.ack_poll_s)
+            if not req.live:  # the downwardAPI fallback (live: see kube_live.py)
+                for name in rest:
+                    stop = {"metadata": {"annotations": {CONTROL: STOP}}}
+                    self.core.patch_namespaced_pod(name, ns, stop, _content_type=MERGE_PATCH)
+            self._wait_acks(ns, selector, store, req, expected)
         acked, checkpoint_step, step = store.ended(req.generation)
+        parked: dict[str, kube_live.ParkedPod] = {}
+        if req.live:
+            now, _ = self._list_pods(ns, selector)
+            parked = kube_live.parked_pods([now[n] for n in rest if n in now], set(acked))
         grace = math.ceil(req.grace_s) if req.graceful else 0
         # A Failed pod holds no resources and is what someone debugging the fault needs:
         # it stays until cleanup_job (which keeps it too when the job's cleanup policy says so).
-        running = {p.metadata.name for p in rest if p.status.phase != "Failed"}
+        running = {n for n, p in rest.items() if p.status.phase != "Failed"} - parked.keys()
         self._delete_pods(ns, running, grace_s=grace)
         self._wait_pods(
             ns,
             selector,
-            lambda pods: all(p.status.phase == "Failed" for p in pods.values()) or None,
+            lambda pods: (
+                all(p.status.phase == "Failed" or n in parked for n, p in pods.items()) or None
+            ),
             time.monotonic() + grace + 30,
         )
+        steps = store.ack_steps(req.generation)
+        held = [steps[r] for p in parked.values() for r in p.ranks]
         return StopResult(
             acked_ranks=acked,
             checkpoint_step=checkpoint_step,
             forced=bool(expected - set(acked)),
             step=step,
+            held_step=max(held) if held else None,
         )
 
+    def _wait_acks(
+        self, ns: str, selector: str, store: JobStore, req: StopRequest, expected: set[int]
+    ) -> None:
+        """Until every expected rank acked, its pod ended, or `grace_s` passed. A live stop's
+        wait is part of the training pause: its acks are polled faster."""
+        poll_s = min(self.ack_poll_s, LIVE_ACK_POLL_S) if req.live else self.ack_poll_s
+        deadline = time.monotonic() + req.grace_s
+        pods_checked = time.monotonic()
+        while not expected <= set(store.acked_ranks(req.generation)):
+            if time.monotonic() >= deadline:
+                return
+            if time.monotonic() - pods_checked >= self.ack_poll_s:  # a pod that died acks never
+                pods_checked = time.monotonic()
+                pods, _ = self._list_pods(ns, selector)
+                expected = {
+                    r for p in pods.values() if p.status.phase not in ENDED for r in pod_ranks(p)
+                } & expected
+            activity.heartbeat()
+            time.sleep(poll_s)
+
     @activity.defn(name=contract.WATCH_GENERATION)
-    @_config_errors
+    @config_errors
     def watch_generation(self, req: WatchRequest) -> WatchResult:
         """Return `failed` as soon as a pod fails, vanishes or loses its node, `completed` when
         every pod Succeeded after the done marker, else `progress` after `report_after_s`."""
@@ -331,7 +339,7 @@ class KubeRuntime:
             codes = {int(p.metadata.labels[RANK]): _exit_code(p) for p in pods.values()}
             exited = {rank: code for rank, code in codes.items() if code is not None}
             if any((p.metadata.annotations or {}).get(CONTROL) for p in pods.values()):
-                return None  # being stopped: stop_generation owns the outcome
+                return None  # being stopped: stop_generation owns the outcome (live: below)
             # notices ranks found (EC2 metadata) go to the workflow at once
             notices = rank_notices(store, req.generation)
             if any(n.event_id not in req.known_events for n in notices):
@@ -356,6 +364,13 @@ class KubeRuntime:
                 return WatchResult(
                     outcome="failed", exit_codes=exited, detail=f"node(s) gone: {gone}"
                 )
+            parked = store.ack_steps(req.generation)
+            if parked and not store.stopping(req.generation):
+                # Live resize: a rank whose peer was lost parks holding its step; nobody
+                # asked it to, so the generation has failed (its survivors keep their state).
+                rank, step = min(parked.items())
+                detail = f"rank {rank} lost a peer and parked holding step {step}"
+                return WatchResult(outcome="failed", exit_codes=exited, detail=detail)
             if len(exited) == len(pods):
                 if store.done():
                     return WatchResult(outcome="completed", exit_codes=exited, **_steps(store, req))
@@ -371,7 +386,7 @@ class KubeRuntime:
         return result or WatchResult(outcome="progress", **_steps(store, req))
 
     @activity.defn(name=contract.CLEANUP_JOB)
-    @_config_errors
+    @config_errors
     def cleanup_job(self, req: CleanupRequest) -> None:
         """Delete the job's pods, Service and ConfigMaps; with `keep`, Failed pods stay."""
         ns = self._ns(req.job)
@@ -380,13 +395,86 @@ class KubeRuntime:
         doomed = {p.metadata.name for p in pods if not (req.keep and p.status.phase == "Failed")}
         self._delete_pods(ns, doomed, grace_s=None)
         for svc in self.core.list_namespaced_service(ns, label_selector=selector).items:
-            _absent(self.core.delete_namespaced_service, svc.metadata.name, ns)
+            absent(self.core.delete_namespaced_service, svc.metadata.name, ns)
         for cm in self.core.list_namespaced_config_map(ns, label_selector=selector).items:
-            _absent(self.core.delete_namespaced_config_map, cm.metadata.name, ns)
+            absent(self.core.delete_namespaced_config_map, cm.metadata.name, ns)
         # The SSH keys: deleted by label, never read back (no get or list on Secrets).
         self.core.delete_collection_namespaced_secret(ns, label_selector=selector)
 
     # --- objects ---------------------------------------------------------------------------
+
+    def _adopt(self, ns: str, plan: GenerationPlan, store: JobStore) -> dict[int, str]:
+        """Live resize: place the previous generation's parked pods (kube_live.py), relabel
+        the adopted into this generation and delete the leaving (told to leave first, so
+        their ranks exit 0). Member index -> adopted pod."""
+        previous = plan.generation - 1
+        adoption = kube_live.Adoption.recorded(store.next_generation(previous), plan.generation)
+        pods, _ = self._list_pods(ns, owner_selector(plan.job))
+        if adoption is None:  # (else a retry: the first attempt's placement stands)
+            parked = kube_live.parked_pods(
+                [p for p in pods.values() if p.metadata.labels[GENERATION] == str(previous)],
+                set(store.acked_ranks(previous)),
+            )
+            port = kube_live.rendezvous_port(self.master_port, plan)
+            adoption = kube_live.place(plan, parked, ns, port)
+            store.write_next(previous, adoption.record(plan.generation))
+        for index, name in adoption.adopted.items():
+            if name not in pods:
+                raise ApplicationError(f"parked pod {name} vanished", type=GANG_ERROR)
+            first = sum(m.procs for m in plan.members[:index])
+            labels = {GENERATION: str(plan.generation), RANK: str(first)}
+            patch = {
+                "metadata": {"labels": labels, "annotations": {MEMBERS: str(len(plan.members))}}
+            }
+            self.core.patch_namespaced_pod(name, ns, patch, _content_type=MERGE_PATCH)
+        leaving = {n: pods[n] for n in adoption.leaving if n in pods}
+        gone = set(self._gone_nodes(leaving))  # (no kubelet left to finish them)
+        on_gone = {n for n, p in leaving.items() if p.spec.node_name in gone}
+        self._delete_pods(ns, on_gone, grace_s=0)
+        self._delete_pods(
+            ns, set(leaving) - on_gone, grace_s=math.ceil(plan.graceful_shutdown_s or 30)
+        )
+        return adoption.adopted
+
+    def _make_pods(
+        self, ns: str, plan: GenerationPlan, adopted: dict[int, str], deadline: float
+    ) -> set[str]:
+        """Create the pods of the members no adopted pod serves; one found under the same
+        name stays only if it was made the same (a head start), else it is replaced."""
+        hosts = self._node_hostnames(
+            [m.node_id for i, m in enumerate(plan.members) if i not in adopted], deadline
+        )
+        port = kube_live.rendezvous_port(self.master_port, plan)
+        live = plan.resize == "live"
+        bodies = {}
+        for index, member in enumerate(plan.members):
+            if index in adopted:
+                continue
+            body = pod_body(
+                plan,
+                index,
+                hosts[member.node_id],
+                ns,
+                port,
+                self.tolerations,
+                master_pod=kube_live.master_pod(plan, adopted),
+                state_from=("peers" if adopted else "checkpoint") if live else None,
+            )
+            bodies[body["metadata"]["name"]] = body
+        selector = owner_selector(plan.job, plan.generation)
+        found, _ = self._list_pods(ns, selector)
+        stale = {
+            n
+            for n, p in found.items()
+            if n not in adopted.values()
+            and (n not in bodies or p.metadata.annotations.get(SPEC) != _spec(bodies[n]))
+        }
+        if stale:
+            self._delete_pods(ns, stale, grace_s=0)
+            self._wait_pods(ns, selector, lambda pods: not (stale & pods.keys()) or None, deadline)
+        for body in bodies.values():
+            self._create(self.core.create_namespaced_pod, ns, body)
+        return set(bodies)
 
     def _put_hosts(self, ns: str, plan: GenerationPlan) -> None:
         """Create or update the hostfile ConfigMap: running pods see the new members."""
@@ -416,117 +504,9 @@ class KubeRuntime:
         body = ssh_secret_body(job, ns, private, f"{public.decode()} spotrain-{job}\n")
         self._create(self.core.create_namespaced_secret, ns, body)
 
-    # --- API helpers -----------------------------------------------------------------------
 
-    @staticmethod
-    def _create(create: Callable[..., Any], ns: str, body: dict[str, Any]) -> None:
-        """Create-or-get: AlreadyExists means an earlier attempt already did it."""
-        try:
-            create(ns, body)
-        except ApiException as err:
-            if err.status != 409:
-                raise
-
-    def _delete_pods(self, ns: str, names: set[str], grace_s: int | None) -> None:
-        for name in sorted(names):
-            _absent(self.core.delete_namespaced_pod, name, ns, grace_period_seconds=grace_s)
-
-    def _node_hostnames(self, node_ids: list[str], deadline: float) -> dict[str, str]:
-        """Instance id -> node hostname label, waiting (until `deadline`) for nodes to join."""
-        while True:
-            hosts = {}
-            for node in self.core.list_node().items:
-                labels = node.metadata.labels or {}
-                hosts[instance_id(node)] = labels.get("kubernetes.io/hostname", node.metadata.name)
-            missing = [n for n in node_ids if n not in hosts]
-            if not missing:
-                return {n: hosts[n] for n in node_ids}
-            if time.monotonic() >= deadline:
-                raise ApplicationError(
-                    f"node(s) {missing} did not join the cluster in {self.gang_timeout_s:g}s",
-                    type=GANG_ERROR,
-                )
-            activity.heartbeat()
-            time.sleep(self.watch_s)
-
-    def _gone_nodes(self, pods: Pods) -> list[str]:
-        gone = []
-        for node in sorted({p.spec.node_name for p in pods.values() if p.spec.node_name}):
-            try:
-                self.core.read_node(node)
-            except ApiException as err:
-                if err.status != 404:
-                    raise
-                gone.append(node)
-        return gone
-
-    def _wait_pods(
-        self,
-        ns: str,
-        selector: str,
-        decide: Callable[[Pods], T | None],
-        deadline: float,
-        *,
-        periodic: bool = False,
-    ) -> tuple[T | None, Pods]:
-        """List the pods, then watch them from the list's resourceVersion until `decide`
-        returns non-None or `deadline` passes. `decide` runs on every change (and, with
-        `periodic`, every `watch_s` too, for what pods' events do not show: nodes going)."""
-        pods, version = self._list_pods(ns, selector)
-        result = decide(pods)
-        while result is None:
-            activity.heartbeat()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            timeout = max(1, min(self.watch_s, math.ceil(left)))
-            events = watch.Watch().stream(
-                self.core.list_namespaced_pod,
-                ns,
-                label_selector=selector,
-                resource_version=version,
-                timeout_seconds=timeout,
-                _request_timeout=timeout + 10,
-            )
-            try:
-                for event in events:
-                    pod = event["object"]
-                    version = pod.metadata.resource_version
-                    if event["type"] == "DELETED":
-                        pods.pop(pod.metadata.name, None)
-                    else:
-                        pods[pod.metadata.name] = pod
-                    activity.heartbeat()
-                    result = decide(pods)
-                    if result is not None:
-                        break
-                else:
-                    if periodic:
-                        result = decide(pods)
-            except ApiException as err:
-                if err.status != 410:
-                    raise
-                # 410 Gone: etcd compacted past `version` (a quiet watch outlived the
-                # apiserver's compaction interval): start again from a fresh list.
-                pods, version = self._list_pods(ns, selector)
-                result = decide(pods)
-        return result, pods
-
-    def _list_pods(self, ns: str, selector: str) -> tuple[Pods, str]:
-        listing = self.core.list_namespaced_pod(ns, label_selector=selector)
-        return {p.metadata.name: p for p in listing.items}, listing.metadata.resource_version
-
-
-_ENDED = ("Succeeded", "Failed")
-
-
-def _absent(delete: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Delete-if-present: NotFound means it is already gone."""
-    try:
-        delete(*args, **kwargs)
-    except ApiException as err:
-        if err.status != 404:
-            raise
+def _spec(body: dict[str, Any]) -> str:
+    return str(body["metadata"]["annotations"][SPEC])
 
 
 def _steps(store: JobStore, req: WatchRequest) -> dict[str, Any]:

@@ -4,10 +4,13 @@ calls that create, watch and delete them are in activities/kube.py."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any
 
 from spotrain.activities.command_launch import launch_command
+from spotrain.elastic import environment
 from spotrain.elastic.environment import rank_env
 from spotrain.workflows.contract import GenerationPlan
 
@@ -19,6 +22,7 @@ CONTROL = "spotrain.io/control"  # annotation: the elastic event
 NODE_ID = "spotrain.io/node-id"  # annotation: the member's instance id
 PROCS = "spotrain.io/procs"  # annotation: processes (ranks) in this pod
 MEMBERS = "spotrain.io/members"  # annotation: pods in this generation
+SPEC = "spotrain.io/spec"  # annotation: a digest of the pod as it was made
 STOP = "stop"
 
 CONTROL_DIR = "/etc/spotrain"
@@ -40,9 +44,9 @@ def service_name(job: str) -> str:
     return f"spotrain-{job}"
 
 
-def pod_dns(job: str, generation: int, index: int, ns: str) -> str:
-    """The pod's name in the headless Service's DNS (hostname.subdomain.namespace.svc)."""
-    return f"{pod_name(job, generation, index)}.{service_name(job)}.{ns}.svc"
+def pod_dns(pod: str, job: str, ns: str) -> str:
+    """A pod's name in the job's headless Service's DNS (hostname.subdomain.namespace.svc)."""
+    return f"{pod}.{service_name(job)}.{ns}.svc"
 
 
 def hosts_name(job: str) -> str:
@@ -62,6 +66,24 @@ def owner_selector(job: str, generation: int | None = None) -> str:
     return selector if generation is None else f"{selector},{GENERATION}={generation}"
 
 
+def pod_env(
+    plan: GenerationPlan, index: int, local_rank: int, ns: str, master_port: int, master_pod: str
+) -> dict[str, str]:
+    """The rank environment of process `local_rank` in member `index`'s pod. MASTER_ADDR is
+    rank 0's pod's DNS name (the gang start also records its IP, which the library prefers)."""
+    env = rank_env(plan, index, local_rank, master_port=master_port, control_file=CONTROL_PATH)
+    env["MASTER_ADDR"] = pod_dns(master_pod, plan.job, ns)
+    if plan.resize == "live":
+        env[environment.RESIZE] = "live"
+    return env
+
+
+def pod_ranks(pod: Any) -> set[int]:
+    """The ranks a pod (a V1Pod) runs: from its first rank, one per process."""
+    first = int(pod.metadata.labels[RANK])
+    return set(range(first, first + int(pod.metadata.annotations[PROCS])))
+
+
 def pod_body(
     plan: GenerationPlan,
     index: int,
@@ -69,13 +91,20 @@ def pod_body(
     ns: str,
     master_port: int,
     tolerations: tuple[dict[str, str], ...],
+    *,
+    master_pod: str | None = None,
+    state_from: str | None = None,
 ) -> dict[str, Any]:
     """The pod of member `index`: pinned to its node, the rank contract's environment, the
-    control annotation projected as a file, and the hostfile for Horovod jobs."""
+    control annotation projected as a file, and the hostfile for Horovod jobs. `master_pod`:
+    rank 0's pod (default: this generation's first); `state_from`: live resize's
+    SPOTRAIN_STATE_FROM."""
     member = plan.members[index]
     name = pod_name(plan.job, plan.generation, index)
-    env = rank_env(plan, index, 0, master_port=master_port, control_file=CONTROL_PATH)
-    env["MASTER_ADDR"] = pod_dns(plan.job, plan.generation, 0, ns)
+    master_pod = master_pod or pod_name(plan.job, plan.generation, 0)
+    env = pod_env(plan, index, 0, ns, master_port, master_pod)
+    if state_from is not None:
+        env[environment.STATE_FROM] = state_from
     mounts = [{"name": "control", "mountPath": CONTROL_DIR, "readOnly": True}]
     volumes: list[dict[str, Any]] = [
         {
@@ -115,7 +144,7 @@ def pod_body(
         gpus = str(plan.gpus_per_proc * member.procs)
         container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
     first_rank = sum(m.procs for m in plan.members[:index])
-    return {
+    body = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -148,6 +177,11 @@ def pod_body(
             "volumes": volumes,
         },
     }
+    # What the pod was made as: a pod found under this name (a live resize's head start) is
+    # kept only if it was made the same.
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    body["metadata"]["annotations"][SPEC] = digest
+    return body
 
 
 def service_body(job: str, master_port: int) -> dict[str, Any]:
@@ -167,7 +201,8 @@ def service_body(job: str, master_port: int) -> dict[str, Any]:
 
 def hosts_body(plan: GenerationPlan, ns: str) -> dict[str, Any]:
     """The hostfile ConfigMap (and discover_hosts.sh) of a Horovod job's generation."""
-    dns = [pod_dns(plan.job, plan.generation, i, ns) for i in range(len(plan.members))]
+    names = [pod_name(plan.job, plan.generation, i) for i in range(len(plan.members))]
+    dns = [pod_dns(name, plan.job, ns) for name in names]
     slots = [m.procs for m in plan.members]
     listing = "".join(f"{host}:{n}\n" for host, n in zip(dns, slots, strict=True))
     data = {

@@ -32,8 +32,11 @@ def _now() -> str:
 
 def _status(pod: client.V1Pod, phase: str, state: dict[str, Any]) -> dict[str, Any]:
     ready = "True" if phase == "Running" else "False"
+    # Every pod of this stand-in runs in this machine's network, as with hostNetwork.
+    address = {} if phase == "Pending" else {"podIP": "127.0.0.1", "hostIP": "127.0.0.1"}
     return {
         "phase": phase,
+        **address,
         "conditions": [
             {"type": "Initialized", "status": "True"},
             {"type": "ContainersReady", "status": ready},

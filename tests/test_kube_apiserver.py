@@ -11,7 +11,7 @@ import yaml
 from kubernetes import client, utils
 from kubernetes.client.exceptions import ApiException
 
-from spotrain.activities.kube import instance_id
+from spotrain.activities.kube_api import instance_id
 from spotrain.workers.webhook import NodeNames
 from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
     NAMESPACE,

@@ -41,7 +41,7 @@ from temporalio.api.workflowservice.v1 import (
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
-from spotrain.activities import kube
+from spotrain.activities import kube_api
 from spotrain.workers.connect import Unreachable, connect, give_up
 from spotrain.workers.webhook_auth import (
     AuthConfig,
@@ -160,7 +160,7 @@ class NodeNames:
                 if err.status == 404:
                     return None
                 raise
-            found = kube.instance_id(node)
+            found = kube_api.instance_id(node)
             if found is None:
                 return None
             self._known[name] = found

@@ -134,13 +134,16 @@ def wait_for_gang(poll_s: float | None = None) -> Settings:
     if poll_s is None:
         poll_s = 0.2 if s.checkpoint.startswith("s3://") else 0.02
     channel = _channel or _start()
-    if not store().started(s.generation):
+    if (started := store().start_record(s.generation)) is None:
         store().mark_waiting(s.generation, s.rank, time.time())
-    while not store().started(s.generation):
+    while started is None:
         if channel.latched:  # stopped before it started: nothing to checkpoint
             logging.getLogger("spotrain.elastic").warning("elastic event before the gang start")
             raise SystemExit(0)
         time.sleep(poll_s)
+        started = store().start_record(s.generation)
+    # Where rank 0 turned out to be reachable (a pod's IP: no wait for its DNS record).
+    os.environ.update(started.get("rendezvous") or {})
     return s
 
 

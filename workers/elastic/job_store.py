@@ -161,11 +161,21 @@ class JobStore:
                 raise StoreUnusable(f"checkpoint location {self.uri}: {err}") from err
             raise
 
-    def mark_started(self, generation: int, time: float) -> None:
-        self.store.put_json(f"{self._gen(generation)}/started.json", {"time": time})
+    def mark_started(
+        self, generation: int, time: float, rendezvous: dict[str, str] | None = None
+    ) -> None:
+        """The gang is up: its ranks go. `rendezvous`: where rank 0 is known to be reachable
+        now that it runs (Kubernetes: its pod's IP), over the environment's MASTER_ADDR."""
+        record: dict[str, Any] = {"time": time}
+        if rendezvous:
+            record["rendezvous"] = rendezvous
+        self.store.put_json(f"{self._gen(generation)}/started.json", record)
+
+    def start_record(self, generation: int) -> dict[str, Any] | None:
+        return self.store.get_json(f"{self._gen(generation)}/started.json")
 
     def started(self, generation: int) -> bool:
-        return self.store.get_json(f"{self._gen(generation)}/started.json") is not None
+        return self.start_record(generation) is not None
 
     def mark_waiting(self, generation: int, rank: int, time: float) -> None:
         """A rank is up and waits for its generation's start (what a head start waits for)."""
@@ -314,6 +324,10 @@ class JobStore:
 
     def write_control(self, generation: int, record: dict[str, Any]) -> None:
         self.store.put_json(self.control_key(generation), record)
+
+    def stopping(self, generation: int) -> bool:
+        """The generation's control record asks it to stop (its elastic event is raised)."""
+        return (self.store.get_json(self.control_key(generation)) or {}).get("kind") == "stop"
 
     @classmethod
     def next_key(cls, generation: int) -> str:
