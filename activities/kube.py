@@ -388,12 +388,16 @@ class KubeRuntime(PodApi):
     @activity.defn(name=contract.CLEANUP_JOB)
     @config_errors
     def cleanup_job(self, req: CleanupRequest) -> None:
-        """Delete the job's pods, Service and ConfigMaps; with `keep`, Failed pods stay."""
+        """Delete the job's pods, Service and ConfigMaps; with `keep`, Failed pods stay. A pod
+        whose node is gone goes at once: no kubelet is left to end it."""
         ns = self._ns(req.job)
         selector = owner_selector(req.job)
-        pods = self.core.list_namespaced_pod(ns, label_selector=selector).items
-        doomed = {p.metadata.name for p in pods if not (req.keep and p.status.phase == "Failed")}
-        self._delete_pods(ns, doomed, grace_s=None)
+        pods, _ = self._list_pods(ns, selector)
+        doomed = {n for n, p in pods.items() if not (req.keep and p.status.phase == "Failed")}
+        gone = set(self._gone_nodes(pods))
+        orphans = {n for n in doomed if pods[n].spec.node_name in gone}
+        self._delete_pods(ns, orphans, grace_s=0)
+        self._delete_pods(ns, doomed - orphans, grace_s=None)
         for svc in self.core.list_namespaced_service(ns, label_selector=selector).items:
             absent(self.core.delete_namespaced_service, svc.metadata.name, ns)
         for cm in self.core.list_namespaced_config_map(ns, label_selector=selector).items:

@@ -1,10 +1,13 @@
 """Training pause per resize, restart mode vs live mode, side by side in one run.
 
     .venv/bin/python -m bench.live_resize [--reclaims 20] [--losses 20] [--step-time 0.02]
+        [--runtime local|kubernetes]
 
 The whole path as a user runs it: the real TrainingJob workflow on the Temporal dev server,
-the simulated cloud (always capacity) and the local runtime starting real PyTorch DDP ranks
-(examples/train_ddp.py: gloo, CPU, 3 ranks, 20 ms steps). The same job runs twice, with
+the simulated cloud (always capacity) and the rank runtime starting real PyTorch DDP ranks
+(examples/train_ddp.py: gloo, CPU, 3 ranks, 20 ms steps): local processes, or pods on the
+real Kubernetes control plane whose commands tests/kube_kubelet.py runs here in place of a
+kubelet (each instance a node; a node lost with its instance). The same job runs twice, with
 `elastic.resize: restart` and `live`. Each job gets `--reclaims` reclaim notices (a shrink,
 then growth back when the replacement is ready) and `--losses` nodes lost without notice (a
 shrink at once, then growth back), one at a time, each once the job is back at full size
@@ -28,18 +31,25 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from kubernetes import client as kube_client
 from temporalio.client import Client, WorkflowHandle
 
+from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workers.stack import free_port
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobStatus, Phase, TimelineEntry
+from tests.k8s_cluster import NAMESPACE, ControlPlane, binaries
+from tests.kube_kubelet import LocalKubelet, nodes_follow_instances
 
 from .common import REPO, dev_server, publish, summary
 
@@ -148,19 +158,41 @@ def pauses(timeline: list[TimelineEntry], record: Path) -> dict[str, Any]:
     return {"pause_s": out, "steps_lost": lost, "slow": slow}
 
 
+@contextmanager
+def rank_runtime(
+    kind: str, root: Path, cloud: SimulatedCloud
+) -> Iterator[tuple[LocalRuntime | KubeRuntime, Callable[[str, str], object]]]:
+    """The rank runtime, and how a node is lost without notice on it (job, node)."""
+    if kind == "local":
+        runtime = LocalRuntime(root / "rt", term_grace_s=2)
+        yield runtime, runtime.kill_node
+        return
+    # Kubernetes: the real control plane; the kubelet stood in for (tests/kube_kubelet.py).
+    with ControlPlane.running(binaries(build=True)) as cluster:
+        core = kube_client.CoreV1Api(cluster.admin)
+        kubelet = LocalKubelet(core, NAMESPACE, root / "kubelet")
+        worker = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+        runtime = KubeRuntime(
+            NAMESPACE, worker, master_port=free_port(), gang_timeout_s=120, ack_poll_s=0.1
+        )
+        with kubelet.serving(), nodes_follow_instances(cloud, cluster, kubelet):
+            yield runtime, lambda job, node: None  # its node goes with the instance
+
+
 async def run_mode(
     client: Client, mode: str, root: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    runtime, cloud = LocalRuntime(root / "rt", term_grace_s=2), SimulatedCloud(zones=["us-east-1a"])
+    cloud = SimulatedCloud(zones=["us-east-1a"])
     name = f"live-bench-{mode}-{uuid.uuid4().hex[:6]}"
     record = root / "records" / name
-    with ThreadPoolExecutor(8) as pool:
+    spec = job_spec(name, mode, record, root, args)
+    if args.runtime == "kubernetes":
+        spec["image"] = "bench/none:1"  # (the stand-in kubelet runs the command here)
+    with rank_runtime(args.runtime, root, cloud) as (runtime, lose), ThreadPoolExecutor(8) as pool:
         async with workflow_worker(
             client, name, cloud.activities() + runtime.activities(), activity_executor=pool
         ):
-            handle = await client.start_workflow(
-                "TrainingJob", job_spec(name, mode, record, root, args), id=name, task_queue=name
-            )
+            handle = await client.start_workflow("TrainingJob", spec, id=name, task_queue=name)
             try:
                 s = await back_at_full_size(handle, 0, 10)
                 for i in range(args.reclaims + args.losses):
@@ -169,7 +201,7 @@ async def run_mode(
                         deadline = datetime.now(UTC) + timedelta(seconds=120)
                         await handle.signal("reclaim", {"node_id": victim, "deadline": deadline})
                     else:
-                        runtime.kill_node(name, victim)
+                        lose(name, victim)
                         cloud.reclaim(victim)
                         await handle.signal("node_lost", {"node_id": victim, "event_id": victim})
                     s = await back_at_full_size(handle, s.generation, 10)
@@ -202,6 +234,7 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
     out = {
         "benchmark": "live_resize",
         "settings": {
+            "runtime": args.runtime,
             "nodes": NODES,
             "step_time_s": args.step_time,
             "ckpt_every": args.ckpt_every,
@@ -221,6 +254,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--step-time", type=float, default=0.02, help="sleep per step (s)")
     parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint (steps)")
     parser.add_argument("--modes", nargs="+", default=["restart", "live"])
+    parser.add_argument(
+        "--runtime",
+        choices=["local", "kubernetes"],
+        default="local",
+        help="kubernetes: pods on the real control plane (infra/k8s/controlplane/build.sh)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     out, rows = report(asyncio.run(run(args)), args)

@@ -149,13 +149,15 @@ def train(
                 sse = ((ddp(x) - y) ** 2).sum()
             # DDP averages gradients over ranks; scaling by world/global makes it the global mean.
             (sse * s.world_size / s.global_batch_size).backward()
-            # One all-reduce: the global loss, and whether any rank saw the elastic event. Both
+            # One all-reduce: the global loss, whether any rank saw the elastic event, and
+            # whether any that saw it wants a checkpoint (a rank may hear of it only here). Both
             # collectives come before the optimizer step, so a peer lost in either leaves the
             # model as it was: the step in flight is dropped whole.
-            seen = float(elastic.elastic_event_detected())
-            flags = torch.tensor([sse.item(), seen], device=device)
+            seen, vote = elastic.elastic_event_detected(), live.wants_checkpoint()
+            flags = torch.tensor([sse.item(), seen, vote], dtype=torch.float64, device=device)
             dist.all_reduce(flags)
-            loss, event = flags[0].item() / s.global_batch_size, flags[1].item() > 0
+            loss = flags[0].item() / s.global_batch_size
+            event, save = flags[1].item() > 0, flags[2].item() > 0
             optim.step()
             optim.zero_grad()
             step += 1
@@ -170,7 +172,7 @@ def train(
             elastic.report_progress(step)
             ckpt.poll()
             if event:
-                if live.wants_checkpoint():
+                if save:
                     ckpt.save(state_of(ddp.module, optim, step), step, kind="notice")
                 ckpt.close()
                 print(f"rank {s.rank}: elastic event at step {step}", flush=True)

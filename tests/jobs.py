@@ -83,6 +83,28 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
     return merge(spec, overrides)
 
 
+def process_spec(
+    name: str, command: list[str], checkpoint: str, elastic: dict[str, Any], **overrides: Any
+) -> dict[str, Any]:
+    """A job of real rank processes (local or Kubernetes runtime) on the simulated cloud: one
+    cheap spot pool in one zone, no on-demand fallback."""
+    spec = {
+        "name": name,
+        "type": "pytorch",
+        "command": command,
+        "checkpoint": checkpoint,
+        "elastic": elastic,
+        "spot": {
+            "instance_types": [
+                {"name": "m5.large", "gpus": 0, "on_demand_price": 0.096, "spot_price": 0.035}
+            ],
+            "zones": ["us-east-1a"],
+        },
+        "on_demand": {"fallback": False},
+    }
+    return merge(spec, overrides)
+
+
 def merge(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Nested dicts in `overrides` merge one level deep; other values replace."""
     for key, value in overrides.items():

@@ -4,7 +4,9 @@ Each does what a kubelet does through the API, as the node's identity would, and
 runtime under test could lean on: it writes pod status (container started, exited with a
 code, waiting on a fault) and deletes a terminated pod that is being deleted (the kubelet's
 final delete). `LocalKubelet` also runs each bound pod's command as a local process with the
-pod's environment, its downwardAPI and ConfigMap volumes written to a local directory.
+pod's environment, its downwardAPI and ConfigMap volumes written to a local directory, and
+`nodes_follow_instances` registers (and removes) a node per instance of the simulated cloud,
+as an instance's kubelet would.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client
+
+if TYPE_CHECKING:
+    from spotrain.activities.simulated import SimulatedCloud
+    from tests.k8s_cluster import ControlPlane
 
 
 def _now() -> str:
@@ -230,3 +236,41 @@ class LocalKubelet:
             if mode is not None:
                 tmp.chmod(mode)
             tmp.replace(directory / name)  # atomic, as the kubelet's symlink swap is
+
+
+def node_name(instance: str) -> str:
+    """The node an instance of the simulated cloud registers as (EKS's naming)."""
+    return f"ip-{instance}.ec2.internal"
+
+
+@contextmanager
+def nodes_follow_instances(
+    cloud: SimulatedCloud, cluster: ControlPlane, kubelet: LocalKubelet
+) -> Iterator[None]:
+    """Each running instance of the simulated cloud is a node (its kubelet: `kubelet`); an
+    instance that is gone takes its node with it."""
+    core = client.CoreV1Api(cluster.admin)
+    stop = threading.Event()
+
+    def sync() -> None:
+        running = {node_name(n.node_id): n for n in cloud.running()}
+        for name in set(running) - kubelet.nodes:
+            info = running[name]
+            cluster.add_node(name, info.node_id, zone=info.zone, fake=False)
+            kubelet.nodes.add(name)
+        for name in kubelet.nodes - set(running):
+            core.delete_node(name)
+            kubelet.nodes.discard(name)
+
+    def follow() -> None:
+        while not stop.wait(0.2):
+            sync()
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+        sync()  # the instances released as the job ended take their nodes too

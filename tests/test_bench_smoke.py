@@ -13,6 +13,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from bench import checkpoint, goodput, live_resize, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
+from tests.k8s_cluster import control_plane_or_skip
 
 # Two zones of 4 nodes at 300 s ticks: all, then a drop, a gap, and back.
 TICKS_A = [4, 4, 4, 4, 2, 0, 0, 0, 4, 4, 4, 4] * 4
@@ -145,17 +146,21 @@ def test_reaction_benchmark_with_real_processes(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "reaction.json").read_text())["setup"]["reclaims"] == 2
 
 
-def test_live_resize_benchmark_with_real_ddp_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime", ["local", "kubernetes"])
+def test_live_resize_benchmark_with_real_ddp_ranks(tmp_path: Path, runtime: str) -> None:
     pytest.importorskip("torch")
+    if runtime == "kubernetes":
+        control_plane_or_skip()
     argv = ["--reclaims", "1", "--losses", "1", "--modes", "live", "--out", str(tmp_path)]
-    report = live_resize.main(argv)
+    report = live_resize.main([*argv, "--runtime", runtime])
     rows = {(r["kind"], r["mode"]): r for r in report["rows"]}
     assert rows[("shrink on notice", "live")]["n"] == 1
     assert rows[("growth", "live")]["n"] == 2  # back onto each replacement
     assert rows[("loss without notice", "live")]["n"] == 1
     assert rows[("steps lost per loss", "live")]["max"] <= 1
     assert all(0 < r["median"] < 60 for k, r in rows.items() if k[0] != "steps lost per loss")
-    assert json.loads((tmp_path / "live_resize.json").read_text())["settings"]["losses"] == 1
+    settings = json.loads((tmp_path / "live_resize.json").read_text())["settings"]
+    assert settings["losses"] == 1 and settings["runtime"] == runtime
 
 
 def test_checkpoint_benchmark_sync_and_async_to_files_and_s3(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
 from spotrain.workflows.state import JobStatus
 from tests import imds_mock
+from tests.jobs import process_spec
 
 # Steps every 10 ms until the elastic event, counting steps in OUT.steps; then acks (unless
 # ACK=0) and writes what raised the event to OUT. It never touches the store while training,
@@ -284,31 +285,24 @@ async def test_an_imds_notice_reaches_the_workflow_without_a_webhook(
     (imds_dir / "sim-00002").write_text(f"http://127.0.0.1:{port}")
     runtime = LocalRuntime(tmp_path / "rt", term_grace_s=2)
     queue = name = f"imds-{uuid.uuid4().hex[:8]}"
-    spec = {
-        "name": name,
-        "type": "pytorch",
-        "command": [sys.executable, str(script)],
-        "env": {"IMDS_DIR": str(imds_dir)},
-        "total_steps": 10**9,
-        "checkpoint": f"file://{tmp_path / 'ckpt'}",
-        "elastic": {
-            "min_nodes": 1,
-            "max_nodes": 2,
-            "graceful_shutdown_timeout_s": 20,
-            "scaling_timeout_s": 60,
-            "capacity_check_interval_s": 1,
-            "progress_report_interval_s": 0.5,
-            "stall_timeout_s": 60,
-            "reclaim_policy": "drop",
-        },
-        "spot": {
-            "instance_types": [
-                {"name": "m5.large", "gpus": 0, "on_demand_price": 0.096, "spot_price": 0.035}
-            ],
-            "zones": ["us-east-1a"],
-        },
-        "on_demand": {"fallback": False},
+    elastic = {
+        "min_nodes": 1,
+        "max_nodes": 2,
+        "graceful_shutdown_timeout_s": 20,
+        "scaling_timeout_s": 60,
+        "capacity_check_interval_s": 1,
+        "progress_report_interval_s": 0.5,
+        "stall_timeout_s": 60,
+        "reclaim_policy": "drop",
     }
+    spec = process_spec(
+        name,
+        [sys.executable, str(script)],
+        f"file://{tmp_path / 'ckpt'}",
+        elastic,
+        env={"IMDS_DIR": str(imds_dir)},
+        total_steps=10**9,
+    )
     with ThreadPoolExecutor(8) as pool:
         async with workflow_worker(
             dev_env.client,

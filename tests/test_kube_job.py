@@ -1,5 +1,6 @@
 """A whole TrainingJob through the Kubernetes runtime on the real control plane: a reclaim with
-notice shrinks it, returning capacity grows it back, it completes, and nothing is left behind.
+notice shrinks it, returning capacity grows it back, it completes, and nothing is left behind;
+with `resize: live` (the real example in every pod), the survivors' pods are never replaced.
 
 Real: the Temporal dev server and the TrainingJob workflow, kube-apiserver (the runtime as
 its ServiceAccount), kube-scheduler binding each pod to its member's node, the training
@@ -11,13 +12,11 @@ process with the pod's environment and volumes).
 
 from __future__ import annotations
 
+import asyncio
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 from kubernetes import client
@@ -25,6 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workers.stack import free_port
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.state import JobResult
 from tests.jobs import Sim, fast_spec, running_at, sizes, until
@@ -34,46 +34,11 @@ from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
     cluster_fixture,
     control_plane_fixture,
 )
-from tests.kube_kubelet import LocalKubelet
+from tests.kube_kubelet import LocalKubelet, node_name, nodes_follow_instances
+from tests.test_control_channel import wait_status
+from tests.test_live_resize import live_job_spec
 from tests.test_local_runtime import WORKER
 from tests.test_workflow_scenarios import in_seconds, members
-
-
-def node_name(instance: str) -> str:
-    return f"ip-{instance}.ec2.internal"
-
-
-@contextmanager
-def nodes_follow_instances(
-    cloud: SimulatedCloud, cluster: ControlPlane, kubelet: LocalKubelet
-) -> Iterator[None]:
-    """Each running instance of the simulated cloud is a node (its kubelet: `kubelet`); an
-    instance that is gone takes its node with it."""
-    core = client.CoreV1Api(cluster.admin)
-    stop = threading.Event()
-
-    def sync() -> None:
-        running = {node_name(n.node_id): n for n in cloud.running()}
-        for name in set(running) - kubelet.nodes:
-            info = running[name]
-            cluster.add_node(name, info.node_id, zone=info.zone, fake=False)
-            kubelet.nodes.add(name)
-        for name in kubelet.nodes - set(running):
-            core.delete_node(name)
-            kubelet.nodes.discard(name)
-
-    def follow() -> None:
-        while not stop.wait(0.2):
-            sync()
-
-    thread = threading.Thread(target=follow, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(10)
-        sync()  # the instances released as the job ended take their nodes too
 
 
 async def test_training_job_reclaimed_and_grown_on_kubernetes(
@@ -132,3 +97,60 @@ async def test_training_job_reclaimed_and_grown_on_kubernetes(
     assert core.list_namespaced_config_map(NAMESPACE, label_selector=selector).items == []
     assert cloud.running() == []
     assert [n.metadata.name for n in core.list_node().items] == []
+
+
+async def test_live_training_job_on_kubernetes(
+    dev_env: WorkflowEnvironment, cluster: ControlPlane, tmp_path: Path
+) -> None:
+    """`resize: live` through the whole workflow on Kubernetes, with the real example in every
+    pod: a reclaim notice shrinks the job and the replacement grows it back, a node lost
+    without notice costs at most a step; the pods of surviving ranks are never replaced, so
+    the job's five pods are the first three and one per replacement."""
+    name = f"live-{uuid.uuid4().hex[:8]}"
+    spec = live_job_spec(name, tmp_path, image="ghcr.io/example/train:1")
+    core = client.CoreV1Api(cluster.admin)
+    worker_sa = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+    runtime = KubeRuntime(
+        NAMESPACE, worker_sa, master_port=free_port(), gang_timeout_s=60, watch_s=1, ack_poll_s=0.1
+    )
+    cloud = SimulatedCloud(zones=["us-east-1a"])
+    kubelet = LocalKubelet(core, NAMESPACE, tmp_path / "kubelet")
+    with (
+        kubelet.serving(),
+        nodes_follow_instances(cloud, cluster, kubelet),
+        ThreadPoolExecutor(16) as pool,
+    ):
+        async with workflow_worker(
+            dev_env.client, name, cloud.activities() + runtime.activities(), activity_executor=pool
+        ):
+            handle = await dev_env.client.start_workflow(
+                "TrainingJob", spec, id=name, task_queue=name, result_type=JobResult
+            )
+            status = await wait_status(handle, lambda s: s.world_size == 3 and s.step > 10, 120)
+            first = status.generation
+            noticed = status.nodes[-1].node_id or ""
+            await handle.signal("reclaim", {"node_id": noticed, "deadline": in_seconds(120)})
+            status = await wait_status(
+                handle, lambda s: s.generation >= first + 2 and s.world_size == 3, 120
+            )
+            grown = status.step
+            status = await wait_status(handle, lambda s: s.step > grown + 10)
+            lost = next(n.node_id for n in status.nodes if n.rank == 2 and n.node_id)
+            cloud.reclaim(lost)  # its node (and the pod's process) goes with the instance
+            await handle.signal("node_lost", {"node_id": lost, "event_id": f"lost-{lost}"})
+            result = await asyncio.wait_for(handle.result(), 240)
+        selector = f"spotrain.io/job={name}"
+        deadline = time.monotonic() + 60
+        while left := core.list_namespaced_pod(NAMESPACE, label_selector=selector).items:
+            assert time.monotonic() < deadline, [p.metadata.name for p in left]
+            time.sleep(0.2)
+    timeline = [(e.generation, e.event, e.detail) for e in result.timeline]
+    parked = [e for e in timeline if e[1] == "generation parked (live resize)"]
+    assert len(parked) >= 4, timeline
+    gone = [e[2] for e in timeline if e[1] == "node gone"]
+    assert gone == [f"spot {noticed}: reclaimed", f"spot {lost}: lost"], timeline
+    assert result.steps_done == 1200 and result.steps_lost <= 1, result
+    # Pods are made only for the first three nodes and the two replacements.
+    assert len(kubelet.started) == 5, kubelet.started
+    assert all(node == node_name(instance) for _, node, instance in kubelet.started)
+    assert kubelet.running == {} and cloud.running() == []

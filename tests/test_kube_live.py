@@ -11,7 +11,6 @@ kube-scheduler are real, and the runtime acts as its ServiceAccount.
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.elastic.job_store import JobStore
+from spotrain.workers.stack import free_port
 from spotrain.workflows.contract import (
     CleanupRequest,
     GenerationPlan,
@@ -49,12 +49,6 @@ pytest.importorskip("torch")
 JOB = "live"
 NODES = {"i-0aaa": "ip-10-0-0-1", "i-0bbb": "ip-10-0-0-2", "i-0ccc": "ip-10-0-0-3"}
 NEW_NODE = ("i-0ddd", "ip-10-0-0-4")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(name="kubelet")

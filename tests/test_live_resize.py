@@ -15,6 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
@@ -25,7 +26,7 @@ from spotrain.elastic.job_store import JobStore
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member
 from spotrain.workflows.state import JobResult, JobStatus
-from tests.jobs import record_history
+from tests.jobs import process_spec, record_history
 from tests.test_control_channel import wait_status
 from tests.test_train_ddp import (
     EXAMPLE,
@@ -190,6 +191,33 @@ def test_a_survivor_that_hangs_is_detected_and_the_others_go_on(tmp_path: Path) 
     assert not any(r.alive() for g in range(4) for r in rt._ranks("ddp", g))
 
 
+def live_job_spec(name: str, tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    """The example through the whole workflow, `resize: live`: up to 3 nodes, 30 ms steps,
+    its records under tmp_path/rec."""
+    command = [sys.executable, str(EXAMPLE), "--record", str(tmp_path / "rec")]
+    elastic = {
+        "min_nodes": 1,
+        "max_nodes": 3,
+        "resize": "live",
+        "collective_timeout_s": 10,
+        "graceful_shutdown_timeout_s": 20,
+        "scaling_timeout_s": 1,
+        "faulty_scale_down_timeout_s": 0,
+        "capacity_check_interval_s": 1,
+        "progress_report_interval_s": 0.5,
+    }
+    return process_spec(
+        name,
+        [*command, "--step-time", "0.03"],
+        f"file://{tmp_path / 'ckpt'}",
+        elastic,
+        total_steps=1200,
+        global_batch_size=GLOBAL_BATCH,
+        scale_config={n: {"lr": 0.02, "ckpt_every": 100} for n in (1, 2, 3)},
+        **overrides,
+    )
+
+
 async def test_a_live_job_through_a_notice_a_loss_and_growth(
     dev_env: WorkflowEnvironment, tmp_path: Path
 ) -> None:
@@ -199,41 +227,7 @@ async def test_a_live_job_through_a_notice_a_loss_and_growth(
     runtime = LocalRuntime(tmp_path / "rt", term_grace_s=2)
     cloud = SimulatedCloud(zones=["us-east-1a"])
     name = f"live-{uuid.uuid4().hex[:8]}"
-    spec = {
-        "name": name,
-        "type": "pytorch",
-        "command": [
-            sys.executable,
-            str(EXAMPLE),
-            "--record",
-            str(tmp_path / "rec"),
-            "--step-time",
-            "0.03",
-        ],
-        "total_steps": 1200,
-        "global_batch_size": GLOBAL_BATCH,
-        "scale_config": {n: {"lr": 0.02, "ckpt_every": 100} for n in (1, 2, 3)},
-        "checkpoint": f"file://{tmp_path / 'ckpt'}",
-        "cleanup": "never",  # rank logs stay for the checks below
-        "elastic": {
-            "min_nodes": 1,
-            "max_nodes": 3,
-            "resize": "live",
-            "collective_timeout_s": 10,
-            "graceful_shutdown_timeout_s": 20,
-            "scaling_timeout_s": 1,
-            "faulty_scale_down_timeout_s": 0,
-            "capacity_check_interval_s": 1,
-            "progress_report_interval_s": 0.5,
-        },
-        "spot": {
-            "instance_types": [
-                {"name": "m5.large", "gpus": 0, "on_demand_price": 0.096, "spot_price": 0.035}
-            ],
-            "zones": ["us-east-1a"],
-        },
-        "on_demand": {"fallback": False},
-    }
+    spec = live_job_spec(name, tmp_path, cleanup="never")  # (rank logs stay for the checks)
     with ThreadPoolExecutor(8) as pool:
         async with workflow_worker(
             dev_env.client,

@@ -149,8 +149,7 @@ class ElasticPolicy(Strict):
         "restart",
         description="restart: every resize checkpoints and restarts every rank; live: surviving "
         "ranks re-form the process group in place and joiners get the state from them (the "
-        "training code must follow spotrain.elastic.live; the local runtime: on Kubernetes ranks "
-        "restart)",
+        "training code must follow spotrain.elastic.live; both runtimes)",
     )
     collective_timeout_s: PositiveSeconds = Field(
         30,

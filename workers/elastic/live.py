@@ -10,7 +10,8 @@ A training loop supports it in a few lines (examples/train_ddp.py is the whole o
         try:
             step = live.sync(model, optim, step)    # every rank takes the most advanced state
             ddp = DistributedDataParallel(model)    # (rebuilt for each membership)
-            ...train; on the elastic event: checkpoint if live.wants_checkpoint()...
+            ...train; all-reduce [elastic_event_detected(), wants_checkpoint()] each step:
+            on the event, checkpoint if any rank wants it (live.wants_checkpoint), break...
         except Exception as err:
             if not live.peer_failed(err):
                 raise
@@ -20,17 +21,20 @@ A training loop supports it in a few lines (examples/train_ddp.py is the whole o
 
 How the runtime and the library meet, through the job's store (job_store.py):
 - A live stop raises the elastic event as usual; each rank finishes its step, checkpoints if
-  the event asks for it (a reclaim notice does; growth and scale-in do not), then acks with
-  its step and parks: an ack from a rank still alive means "I hold step S in memory". A rank
-  whose collective failed (a peer lost without notice, detected within
-  `collective_timeout()`) drops the step in flight and parks the same way.
+  any rank's vote asks for it (`wants_checkpoint`: a reclaim notice does; growth and
+  scale-in do not), leaves the process group, then acks with its step and parks: an ack
+  from a rank still alive means "I hold step S in memory". A rank whose collective failed
+  (a peer lost without notice: at once when its connections close, else within
+  `collective_timeout()`) drops the step in flight and parks the same way; leaving the group
+  first closes its connections, so a survivor still waiting on it fails at once too.
 - Starting the next generation, the runtime adopts the parked ranks on its member nodes and
   writes `gen-<old>/next.json`: each parked rank's new environment (rank, world size, master
   address and port, generation), or null for a rank that leaves. It starts processes only for
   the new places, telling them to take the state from their peers.
-- A parked rank polls that record (every 20 ms on file://, 100 ms on s3://), tears the old
-  process group down, takes the new environment and joins the new group. With no next
-  generation within `SPOTRAIN_PARK_TIMEOUT_S` (default 600 s), or on SIGTERM, it leaves.
+- A parked rank polls that record (every 20 ms on file://, 100 ms on s3://), takes the new
+  environment and joins the new group (at the rendezvous the gang start recorded, if any).
+  With no next generation within `SPOTRAIN_PARK_TIMEOUT_S` (default 600 s), or on SIGTERM,
+  it leaves.
 - If the new group does not form (a survivor hung, a peer died on the way), the ranks that
   came park again within the collective timeout; the runtime reports a parked rank nobody
   stopped as a fault, and the next generation goes on from their memory (from the last
@@ -75,10 +79,13 @@ def collective_timeout() -> timedelta:
 
 
 def wants_checkpoint() -> bool:
-    """Whether the elastic event asks for a checkpoint before stopping: always in restart
-    mode; in live mode only for a reclaim notice (the survivors' memory carries the rest)."""
-    event = elastic.elastic_event() or {}
-    return not enabled() or bool(event.get("checkpoint", True))
+    """This rank's vote for a checkpoint before stopping: it saw the elastic event, and the
+    event asks for one (always in restart mode; in live mode a reclaim notice does, growth and
+    scale-in do not: the survivors' memory carries the state). Ranks see the event a poll
+    apart, and one may learn of it only from its peers, so agree: all-reduce the votes with
+    the event flags and checkpoint if any rank voted for it (a save is collective)."""
+    event = elastic.elastic_event()
+    return event is not None and (not enabled() or bool(event.get("checkpoint", True)))
 
 
 def peer_failed(err: BaseException) -> bool:
@@ -121,11 +128,15 @@ def next_generation(step: int) -> elastic.Settings | None:
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     while True:
         s = elastic.settings()
+        if enabled():
+            # Out of the old group before parking: a survivor still blocked in a collective
+            # with this rank (after a peer was lost) fails at once on the closed connection,
+            # not after collective_timeout().
+            _drop_groups()
         elastic.store().write_ack(s.generation, s.rank, step, time.time())
         if not enabled():
             return None
         env = _wait_for_place(s)
-        _drop_groups()
         if env is None:
             return None
         os.environ.update(env)
