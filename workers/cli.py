@@ -466,7 +466,8 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     """What terminated jobs left: EC2 instances (by their tags) and the local runtime's rank
     processes (by its state dir). A job counts as running unless Temporal says otherwise, and
     an unreachable Temporal stops gc before anything is reaped."""
-    from spotrain.activities.ec2 import EC2Provider, reap
+    from spotrain.activities.ec2 import EC2Provider
+    from spotrain.activities.ec2_ownership import reap
     from spotrain.activities.local import LocalRuntime
     from spotrain.elastic.job_store import reap_checkpoints
     from spotrain.workers.worker import DEFAULT_STATE_DIR
