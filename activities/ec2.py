@@ -1,11 +1,8 @@
 """The EC2 node provider: buy, track and release spot and on-demand nodes with boto3.
 
-Every instance carries ownership tags (on the instance and its volumes: set atomically by
-`run_instances`, or by an instant EC2 Fleet and then on the volumes), and everything here
-finds instances through them:
-
-    spotrain:managed=true  spotrain:job  spotrain:generation  spotrain:slot
-    spotrain:attempt       spotrain:lifecycle
+Every instance and its volumes carry spotrain's ownership tags (activities/ec2_ownership.py),
+set atomically by `run_instances`, or by an instant EC2 Fleet and then on the volumes, and
+everything here finds instances through them.
 
 Idempotency: (job, slot, attempt) names one node. A launch first looks the slot up by tag
 (moto ignores ClientToken), then launches with a ClientToken derived from the same triple
@@ -17,20 +14,16 @@ are retried by botocore ("standard" mode) and then by Temporal. A failed call ne
 into "gone": only EC2 saying an instance is terminated (or unknown) changes membership.
 
 Credentials and region come from boto3's standard chain; nothing secret crosses the workflow.
-`find_orphans` / `reap` back `spotrain gc`: they terminate tagged instances whose job is not
-running, so a bug can never leave money burning.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import zip_longest
 from typing import Any, Literal
@@ -41,6 +34,16 @@ from botocore.exceptions import ClientError, NoCredentialsError, PartialCredenti
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from spotrain.activities.ec2_ownership import (
+    LIVE_STATES,
+    TAG_ATTEMPT,
+    TAG_JOB,
+    TAG_SLOT,
+    client_token,
+    find_instances,
+    ownership_tags,
+    tags_of,
+)
 from spotrain.activities.spot_scores import PlacementScores
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -53,13 +56,6 @@ from spotrain.workflows.contract import (
 from spotrain.workflows.spec import SpotPolicy
 
 log = logging.getLogger(__name__)
-
-MANAGED = "spotrain:managed"
-TAG_JOB = "spotrain:job"
-TAG_GENERATION = "spotrain:generation"
-TAG_SLOT = "spotrain:slot"
-TAG_ATTEMPT = "spotrain:attempt"
-TAG_LIFECYCLE = "spotrain:lifecycle"
 
 # This pool cannot serve now: the workflow tries the next pool, then on-demand.
 CAPACITY_CODES = frozenset(
@@ -95,7 +91,6 @@ CONFIG_CODES = frozenset(
 )
 NOT_FOUND = "InvalidInstanceID.NotFound"
 RECLAIM_REASON = "Server.SpotInstanceTermination"
-LIVE_STATES = ("pending", "running", "stopping", "stopped")
 POLL_S = 2.0
 LOCAL_AMI_NAME = "al2023-ami-*-x86_64"  # listing all of moto's 1,300 images takes seconds
 
@@ -117,23 +112,6 @@ def _pairs(setting: str, key: str, value: str) -> dict[str, str]:
     return pairs
 
 
-def client_token(job: str, slot: int, attempt: int) -> str:
-    """Stable across retries of one launch, distinct per (job, slot, attempt); max 64 chars."""
-    digest = hashlib.sha256(f"{job}/{slot}/{attempt}".encode()).hexdigest()
-    return f"spotrain-{digest[:48]}"
-
-
-def _tags(instance: Mapping[str, Any]) -> dict[str, str]:
-    return {t["Key"]: t["Value"] for t in instance.get("Tags", [])}
-
-
-def _instances(ec2: Any, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """All instances matching server-side `filters` (tag and state filters only: moto does not
-    implement `instance-lifecycle` or `client-token`)."""
-    pages = ec2.get_paginator("describe_instances").paginate(Filters=filters)
-    return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
-
-
 def _zones(ec2: Any) -> dict[str, str]:
     """The region's available zones: name -> zone id (placement scores speak in ids)."""
     zones = ec2.describe_availability_zones(Filters=[{"Name": "state", "Values": ["available"]}])
@@ -149,7 +127,7 @@ def _node(instance: Mapping[str, Any]) -> NodeInfo:
         reason = "reclaimed" if reclaimed else "terminated"
     return NodeInfo(
         node_id=instance["InstanceId"],
-        slot=int(_tags(instance).get(TAG_SLOT, -1)),
+        slot=int(tags_of(instance).get(TAG_SLOT, -1)),
         lifecycle="spot" if instance.get("InstanceLifecycle") == "spot" else "on-demand",
         instance_type=instance["InstanceType"],
         zone=instance["Placement"]["AvailabilityZone"],
@@ -157,19 +135,6 @@ def _node(instance: Mapping[str, Any]) -> NodeInfo:
         reason=reason,
         address=instance.get("PrivateIpAddress") or "",
     )
-
-
-def _ownership(req: LaunchRequest) -> list[dict[str, str]]:
-    """The tags every node and its volumes carry: whose it is, for which slot and attempt."""
-    return [
-        {"Key": MANAGED, "Value": "true"},
-        {"Key": TAG_JOB, "Value": req.job},
-        {"Key": TAG_GENERATION, "Value": str(req.generation)},
-        {"Key": TAG_SLOT, "Value": str(req.slot)},
-        {"Key": TAG_ATTEMPT, "Value": str(req.attempt)},
-        {"Key": TAG_LIFECYCLE, "Value": req.lifecycle},
-        {"Key": "Name", "Value": f"spotrain-{req.job}-{req.slot}"},
-    ]
 
 
 def _log_launch(instance: Mapping[str, Any], req: LaunchRequest) -> None:
@@ -344,7 +309,7 @@ class EC2Provider:
     def _find_slot(self, ec2: Any, req: LaunchRequest) -> dict[str, Any] | None:
         """The slot's instance if an earlier try launched it (any state). Should a race have
         launched two (moto ignores ClientToken), keep the oldest and terminate the rest."""
-        found = _instances(
+        found = find_instances(
             ec2,
             [
                 {"Name": f"tag:{TAG_JOB}", "Values": [req.job]},
@@ -368,7 +333,8 @@ class EC2Provider:
             "MaxCount": 1,
             "ClientToken": client_token(req.job, req.slot, req.attempt),
             "TagSpecifications": [
-                {"ResourceType": kind, "Tags": _ownership(req)} for kind in ("instance", "volume")
+                {"ResourceType": kind, "Tags": ownership_tags(req)}
+                for kind in ("instance", "volume")
             ],
         }
         zone = req.zone or min(_zones(ec2))  # on-demand may leave the zone open
@@ -430,7 +396,7 @@ class EC2Provider:
             LaunchTemplateConfigs=[
                 {"LaunchTemplateSpecification": template, "Overrides": overrides}
             ],
-            TagSpecifications=[{"ResourceType": "instance", "Tags": _ownership(req)}],
+            TagSpecifications=[{"ResourceType": "instance", "Tags": ownership_tags(req)}],
         )
         ids = [i for launched in resp.get("Instances", []) for i in launched["InstanceIds"]]
         if not ids:  # an instant fleet reports what it could not launch instead of raising
@@ -440,7 +406,7 @@ class EC2Provider:
         instance = ec2.describe_instances(InstanceIds=ids[:1])["Reservations"][0]["Instances"][0]
         volumes = [m["Ebs"]["VolumeId"] for m in instance.get("BlockDeviceMappings", [])]
         if volumes:  # a fleet tags instances only; the volumes get the same owner tags
-            ec2.create_tags(Resources=volumes, Tags=_ownership(req))
+            ec2.create_tags(Resources=volumes, Tags=ownership_tags(req))
         _log_launch(instance, req)
         return instance
 
@@ -546,63 +512,7 @@ class EC2Provider:
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """(region, instance) for every instance tagged with the job, in each of its regions."""
         for region in req.regions:
-            for i in _instances(
+            for i in find_instances(
                 self.client(region), [{"Name": f"tag:{TAG_JOB}", "Values": [req.job]}]
             ):
                 yield region, i
-
-
-# --- gc: the reaper behind `spotrain gc` ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Orphan:
-    """A spotrain-tagged live instance whose job is not running."""
-
-    instance_id: str
-    job: str
-    state: str
-    instance_type: str
-    zone: str
-    launched: datetime
-
-
-def find_orphans(ec2: Any, is_job_running: Callable[[str], bool]) -> list[Orphan]:
-    """Live spotrain instances whose job is closed or unknown (`is_job_running` False), or that
-    name no job. `is_job_running` is asked once per job; if it raises, nothing is reaped."""
-    running: dict[str, bool] = {}
-    orphans = []
-    for i in _instances(
-        ec2,
-        [
-            {"Name": f"tag:{MANAGED}", "Values": ["true"]},
-            {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
-        ],
-    ):
-        job = _tags(i).get(TAG_JOB, "")
-        if job and job not in running:
-            running[job] = is_job_running(job)
-        if not running.get(job, False):
-            orphans.append(
-                Orphan(
-                    instance_id=i["InstanceId"],
-                    job=job,
-                    state=i["State"]["Name"],
-                    instance_type=i["InstanceType"],
-                    zone=i["Placement"]["AvailabilityZone"],
-                    launched=i["LaunchTime"],
-                )
-            )
-    return orphans
-
-
-def reap(ec2: Any, is_job_running: Callable[[str], bool], apply: bool = False) -> list[Orphan]:
-    """Find orphans and, only when `apply`, terminate them. Returns what was (or would be)
-    reaped; the default is a dry run that changes nothing."""
-    orphans = find_orphans(ec2, is_job_running)
-    ids = [o.instance_id for o in orphans]
-    if apply:
-        for start in range(0, len(ids), 500):
-            ec2.terminate_instances(InstanceIds=ids[start : start + 500])
-    log.info("gc: %d orphan(s)%s: %s", len(ids), "" if apply else " (dry run)", ids)
-    return orphans

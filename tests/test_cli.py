@@ -24,7 +24,7 @@ import yaml
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.ec2 import MANAGED, TAG_JOB
+from spotrain.activities.ec2_ownership import MANAGED, TAG_JOB
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore, open_store
 from spotrain.workers.webhook import WebhookConfig, WebhookService

@@ -35,7 +35,14 @@ from temporalio.worker import Worker
 
 from spotrain.activities import ec2 as ec2_mod
 from spotrain.activities import spot_scores
-from spotrain.activities.ec2 import EC2Provider, client_token, reap
+from spotrain.activities.ec2 import EC2Provider
+from spotrain.activities.ec2_ownership import (
+    LIVE_STATES,
+    client_token,
+    find_instances,
+    reap,
+    tags_of,
+)
 from spotrain.workers.worker import WORKFLOWS
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -91,7 +98,7 @@ def launch(provider: EC2Provider, req: LaunchRequest) -> NodeInfo:
 
 
 def job_instances(provider: EC2Provider, job: str) -> list[dict[str, Any]]:
-    return ec2_mod._instances(provider.client(), [{"Name": "tag:spotrain:job", "Values": [job]}])
+    return find_instances(provider.client(), [{"Name": "tag:spotrain:job", "Values": [job]}])
 
 
 def live(provider: EC2Provider, job: str) -> list[str]:
@@ -150,13 +157,13 @@ def test_launch_lifecycle_and_tags(
         "spotrain:attempt": "0",
         "spotrain:lifecycle": lifecycle,
     }
-    assert expected.items() <= ec2_mod._tags(instance).items()
+    assert expected.items() <= tags_of(instance).items()
     volumes = ec2.describe_volumes(
         Filters=[{"Name": "attachment.instance-id", "Values": [node.node_id]}]
     )["Volumes"]
     assert volumes
     for volume in volumes:
-        assert expected.items() <= ec2_mod._tags(volume).items()
+        assert expected.items() <= tags_of(volume).items()
 
 
 def test_retried_launch_creates_no_duplicate(provider: EC2Provider, job: str) -> None:
@@ -230,11 +237,11 @@ def test_fleet_launch_offers_every_pool_tags_and_is_idempotent(
     assert (node.instance_type, node.zone) in pools
     (instance,) = job_instances(fleet, job)
     owner = {"spotrain:job": job, "spotrain:slot": "2", "spotrain:lifecycle": lifecycle}
-    assert owner.items() <= ec2_mod._tags(instance).items()
+    assert owner.items() <= tags_of(instance).items()
     volumes = fleet.client().describe_volumes(
         Filters=[{"Name": "attachment.instance-id", "Values": [node.node_id]}]
     )["Volumes"]
-    assert volumes and all(owner.items() <= ec2_mod._tags(v).items() for v in volumes)
+    assert volumes and all(owner.items() <= tags_of(v).items() for v in volumes)
 
 
 def test_fleet_that_launches_nothing_is_a_capacity_error(
@@ -520,7 +527,7 @@ def test_more_regions_offer_launch_track_and_release_across_regions(
     west = launch(provider, spot(job, zone="us-west-2a", **where))
     east = launch(provider, spot(job, slot=1, zone="us-east-1a", **where))
     assert (west.zone, east.zone) == ("us-west-2a", "us-east-1a")
-    in_west = ec2_mod._instances(
+    in_west = find_instances(
         provider.client("us-west-2"), [{"Name": "tag:spotrain:job", "Values": [job]}]
     )
     assert [i["InstanceId"] for i in in_west] == [west.node_id]
@@ -596,7 +603,8 @@ def test_iam_policy_is_valid_and_allows_every_call_the_provider_makes(
         if st["Effect"] == "Allow"
         for action in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
     }
-    source = Path(ec2_mod.__file__).read_text()
+    modules = Path(ec2_mod.__file__).parent.glob("ec2*.py")  # the provider and its ownership
+    source = "".join(module.read_text() for module in modules)
     methods = set(re.findall(r"ec2\.(\w+)\(", source) + re.findall(r'paginator\("(\w+)"', source))
     methods -= {"get_paginator", "describe_images"}  # describe_images: local endpoints only
     api = provider.client().meta.method_to_api_mapping
@@ -721,7 +729,7 @@ async def test_training_job_across_regions_recovers_a_reclaim_and_leaks_nothing(
     ready = [e.detail for e in result.timeline if e.event == "node ready"]
     assert len(ready) >= 3 and all(d.startswith("spot g5.xlarge us-west-2") for d in ready), ready
     for region in ("us-east-1", "us-west-2"):
-        owned = ec2_mod._instances(
+        owned = find_instances(
             provider.client(region), [{"Name": "tag:spotrain:job", "Values": [name]}]
         )
-        assert [i for i in owned if i["State"]["Name"] in ec2_mod.LIVE_STATES] == [], region
+        assert [i for i in owned if i["State"]["Name"] in LIVE_STATES] == [], region

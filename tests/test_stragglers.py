@@ -29,7 +29,7 @@ from spotrain.elastic.step_times import (
     WARMUP_STEPS,
     StepClock,
 )
-from spotrain.workers.cli import status_view
+from spotrain.workers.cli_views import status_view
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.spec import SpecError, StragglerPolicy, parse_spec

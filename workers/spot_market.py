@@ -32,7 +32,7 @@ from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models.instances import StateReason
 from moto.ec2.responses import EC2Response
 
-from spotrain.activities.ec2 import TAG_JOB
+from spotrain.activities.ec2_ownership import TAG_JOB
 from spotrain.activities.local import LocalRuntime
 
 RECLAIM_REASON = (

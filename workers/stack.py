@@ -33,7 +33,7 @@ import boto3
 from moto.server import ThreadedMotoServer
 from temporalio.client import Client
 
-from spotrain.activities.ec2 import MANAGED
+from spotrain.activities.ec2_ownership import MANAGED
 from spotrain.activities.local import LocalRuntime
 from spotrain.workers.binaries import temporal_cli
 from spotrain.workers.connect import TASK_QUEUE, connect

@@ -39,7 +39,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from spotrain.activities.ec2 import LIVE_STATES, TAG_JOB, TAG_SLOT
+from spotrain.activities.ec2_ownership import LIVE_STATES, TAG_JOB, TAG_SLOT
 from spotrain.activities.local import job_processes
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.binaries import temporal_cli

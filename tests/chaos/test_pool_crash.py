@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from spotrain.activities.ec2 import LIVE_STATES
+from spotrain.activities.ec2_ownership import LIVE_STATES
 from spotrain.workflows.pool import PoolConfig, PoolStatus, pool_workflow_id
 from spotrain.workflows.state import JobResult
 

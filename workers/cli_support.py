@@ -1,0 +1,132 @@
+"""What every `spotrain` command shares: exit codes, the two consoles, `CliError`, and the
+Temporal calls (connect, ask a job for its status, tell a running workflow from a finished or
+unknown one, build a report). The command modules import these and never each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import timedelta
+from typing import Any
+
+from rich.console import Console
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+)
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from spotrain.workers.connect import Unreachable, connect
+from spotrain.workers.report import Report
+from spotrain.workflows.state import JobResult, JobStatus, TimelineEntry
+
+OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
+JOB_FAILED = "JobFailed"  # the workflow's failure type; details[0] is the JobResult
+RPC_TIMEOUT = timedelta(seconds=15)
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class CliError(Exception):
+    """An expected failure: printed as one message, the process exits with `code`."""
+
+    def __init__(self, message: str, code: int = FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def emit_json(value: Any) -> None:
+    """Plain JSON on stdout (no colours, no wrapping) for scripts."""
+    sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
+
+
+# --- Temporal ------------------------------------------------------------------------------
+
+
+def unreachable(error: Unreachable) -> CliError:
+    return CliError(f"{error}\n  or start a local stack with `spotrain dev`", UNREACHABLE)
+
+
+async def client() -> Client:
+    try:
+        return await connect()
+    except Unreachable as e:
+        raise unreachable(e) from None
+
+
+def rpc_error(e: RPCError, job: str | None) -> CliError:
+    if e.status in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED):
+        return unreachable(Unreachable(e.message))
+    if e.status == RPCStatusCode.NOT_FOUND and job:
+        return CliError(f"no running job named {job!r} ({e.message})")
+    hint = ""
+    if "search attribute" in e.message.lower():
+        hint = "\n  register spotrain's search attributes: see docs/cli.md"
+    return CliError(f"Temporal refused: {e.message}{hint}")
+
+
+async def job(args: argparse.Namespace) -> WorkflowHandle[Any, Any]:
+    return (await client()).get_workflow_handle(args.name, result_type=JobResult)
+
+
+async def query_status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
+    try:
+        return await handle.query("status", result_type=JobStatus, rpc_timeout=RPC_TIMEOUT)
+    except WorkflowQueryFailedError as e:
+        raise CliError(f"job {handle.id!r} cannot answer `status`: {e.message}") from None
+
+
+async def is_running(handle: WorkflowHandle[Any, Any]) -> bool:
+    description = await handle.describe(rpc_timeout=RPC_TIMEOUT)
+    return description.status == WorkflowExecutionStatus.RUNNING
+
+
+async def runs(c: Client, workflow_id: str) -> bool:
+    """Whether a workflow with this id runs now; False for one Temporal never heard of."""
+    try:
+        return await is_running(c.get_workflow_handle(workflow_id))
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+
+
+async def known(c: Client, workflow_id: str) -> bool:
+    """Whether Temporal still has this workflow (running, or finished within retention)."""
+    try:
+        await c.get_workflow_handle(workflow_id).describe()
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
+
+
+async def build_report(handle: WorkflowHandle[Any, Any]) -> Report:
+    """Running: the `status` query. Finished: the result (a failed job carries it in its
+    failure's details). Cancelled or terminated: the query, answered by replaying history."""
+    if await is_running(handle):
+        return Report.from_status(await full_status(handle))
+    try:
+        return Report.from_result(await handle.result())
+    except WorkflowFailureError as e:
+        cause = e.cause
+        if isinstance(cause, ApplicationError) and cause.type == JOB_FAILED and cause.details:
+            return Report.from_result(JobResult.model_validate(cause.details[0]))
+    return Report.from_status(await full_status(handle))
+
+
+async def full_status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
+    """`status` with the whole timeline kept, not only its last 20 events."""
+    status = await query_status(handle)
+    timeline = await handle.query(
+        "timeline", result_type=list[TimelineEntry], rpc_timeout=RPC_TIMEOUT
+    )
+    return status.model_copy(update={"timeline": timeline})
