@@ -87,20 +87,22 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    s = elastic.wait_for_gang()
+    s = elastic.settings()
     if s.global_batch_size is None:
         sys.exit("set global_batch_size in the job spec: ranks need their share of it")
+    # Everything that needs no peer comes before the gang start: a rank started ahead of a
+    # live resize (a head start) has it ready when the generation starts.
     cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, timeout=live.collective_timeout())
     torch.set_num_threads(1)  # a tiny model: threads only fight over the cores
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts them)
     device = torch.device(f"cuda:{s.local_rank}" if cuda else "cpu")
     model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
     optim = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    x_all, y_all = dataset()
+    s = elastic.wait_for_gang()
+    live.init_process_group("nccl" if cuda else "gloo")
     # A rank joining a live resize takes the survivors' state in `live.sync`, not the disk's.
     step = -1 if live.state_from_peers() else load(checkpoint.Checkpointer(), model, optim)
-    x_all, y_all = dataset()
     if args.record:
         args.record.mkdir(parents=True, exist_ok=True)
     while s is not None:  # one pass per generation this process trains in

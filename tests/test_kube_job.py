@@ -27,7 +27,7 @@ from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.stack import free_port
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.state import JobResult
-from tests.jobs import Sim, fast_spec, running_at, sizes, until
+from tests.jobs import Sim, fast_spec, record_history, running_at, sizes, until
 from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
     NAMESPACE,
     ControlPlane,
@@ -139,6 +139,7 @@ async def test_live_training_job_on_kubernetes(
             cloud.reclaim(lost)  # its node (and the pod's process) goes with the instance
             await handle.signal("node_lost", {"node_id": lost, "event_id": f"lost-{lost}"})
             result = await asyncio.wait_for(handle.result(), 240)
+            await record_history(handle, "live_resize_kubernetes")
         selector = f"spotrain.io/job={name}"
         deadline = time.monotonic() + 60
         while left := core.list_namespaced_pod(NAMESPACE, label_selector=selector).items:

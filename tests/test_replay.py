@@ -32,6 +32,7 @@ def test_histories_were_recorded() -> None:
         "pool_preempted_job",
         "make_before_break_swap",
         "live_resize",
+        "live_resize_kubernetes",
         "deadline_switch",
         "budget_pause",
         "straggler_replace",

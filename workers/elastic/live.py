@@ -4,7 +4,7 @@ from a survivor over the new group, not from disk. Opt in with `elastic.resize: 
 
 A training loop supports it in a few lines (examples/train_ddp.py is the whole of it):
 
-    dist.init_process_group(backend, timeout=live.collective_timeout())
+    live.init_process_group(backend)            # after wait_for_gang
     step = -1 if live.state_from_peers() else load_checkpoint(model, optim)
     while True:
         try:
@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -58,6 +59,7 @@ from spotrain.elastic.control import changed_reader
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
 DEFAULT_PARK_TIMEOUT_S = 600.0
+RENDEZVOUS_POLL_S = 0.005
 
 
 def enabled() -> bool:
@@ -71,9 +73,25 @@ def state_from_peers() -> bool:
     return enabled() and os.environ.get(environment.STATE_FROM) == "peers"
 
 
+def init_process_group(backend: str) -> None:
+    """`dist.init_process_group` for this generation, with `collective_timeout()`. A rank other
+    than 0 first waits (within that timeout) for rank 0's rendezvous to accept connections:
+    torch's own client, refused, backs off for about half a second."""
+    if int(os.environ["RANK"]) != 0:
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        deadline = time.monotonic() + collective_timeout().total_seconds()
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(address, timeout=1).close()
+                break
+            except OSError:  # not listening yet (or its name not resolvable yet)
+                time.sleep(RENDEZVOUS_POLL_S)
+    dist.init_process_group(backend, timeout=collective_timeout())
+
+
 def collective_timeout() -> timedelta:
     """How long a collective waits for a peer: a node lost without notice is detected within
-    it. Pass it to `init_process_group` (in restart mode it bounds a hang just the same)."""
+    it. `init_process_group` above passes it (in restart mode it bounds a hang just the same)."""
     seconds = float(os.environ.get(environment.COLLECTIVE_TIMEOUT) or DEFAULT_COLLECTIVE_TIMEOUT_S)
     return timedelta(seconds=seconds)
 
@@ -143,7 +161,7 @@ def next_generation(step: int) -> elastic.Settings | None:
         new = elastic.next_generation_settings()
         elastic.wait_for_gang()
         try:
-            dist.init_process_group(backend, timeout=collective_timeout())
+            init_process_group(backend)
         except Exception as err:
             if not peer_failed(err):
                 raise
