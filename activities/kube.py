@@ -388,16 +388,13 @@ class KubeRuntime(PodApi):
     @activity.defn(name=contract.CLEANUP_JOB)
     @config_errors
     def cleanup_job(self, req: CleanupRequest) -> None:
-        """Delete the job's pods, Service and ConfigMaps; with `keep`, Failed pods stay. A pod
-        whose node is gone goes at once: no kubelet is left to end it."""
+        """Delete the job's pods (at once where their node is gone), Service and ConfigMaps;
+        with `keep`, Failed pods stay."""
         ns = self._ns(req.job)
         selector = owner_selector(req.job)
         pods, _ = self._list_pods(ns, selector)
-        doomed = {n for n, p in pods.items() if not (req.keep and p.status.phase == "Failed")}
-        gone = set(self._gone_nodes(pods))
-        orphans = {n for n in doomed if pods[n].spec.node_name in gone}
-        self._delete_pods(ns, orphans, grace_s=0)
-        self._delete_pods(ns, doomed - orphans, grace_s=None)
+        doomed = {n: p for n, p in pods.items() if not (req.keep and p.status.phase == "Failed")}
+        self._end_pods(ns, doomed, grace_s=None)
         for svc in self.core.list_namespaced_service(ns, label_selector=selector).items:
             absent(self.core.delete_namespaced_service, svc.metadata.name, ns)
         for cm in self.core.list_namespaced_config_map(ns, label_selector=selector).items:
@@ -432,12 +429,7 @@ class KubeRuntime(PodApi):
             }
             self.core.patch_namespaced_pod(name, ns, patch, _content_type=MERGE_PATCH)
         leaving = {n: pods[n] for n in adoption.leaving if n in pods}
-        gone = set(self._gone_nodes(leaving))  # (no kubelet left to finish them)
-        on_gone = {n for n, p in leaving.items() if p.spec.node_name in gone}
-        self._delete_pods(ns, on_gone, grace_s=0)
-        self._delete_pods(
-            ns, set(leaving) - on_gone, grace_s=math.ceil(plan.graceful_shutdown_s or 30)
-        )
+        self._end_pods(ns, leaving, grace_s=math.ceil(plan.graceful_shutdown_s or 30))
         return adoption.adopted
 
     def _make_pods(

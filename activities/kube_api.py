@@ -100,6 +100,14 @@ class PodApi:
         for name in sorted(names):
             absent(self.core.delete_namespaced_pod, name, ns, grace_period_seconds=grace_s)
 
+    def _end_pods(self, ns: str, pods: Pods, grace_s: int | None) -> None:
+        """Delete `pods` with the grace period, those whose node is gone at once: no kubelet
+        is left to end them (a cluster's pod garbage collector would, in its own time)."""
+        gone = set(self._gone_nodes(pods))
+        orphans = {n for n, p in pods.items() if p.spec.node_name in gone}
+        self._delete_pods(ns, orphans, grace_s=0)
+        self._delete_pods(ns, set(pods) - orphans, grace_s=grace_s)
+
     def _node_hostnames(self, node_ids: list[str], deadline: float) -> dict[str, str]:
         """Instance id -> node hostname label, waiting (until `deadline`) for nodes to join."""
         while True:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -20,9 +21,14 @@ from typing import Any
 import pytest
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
+from spotrain import elastic
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
+from spotrain.elastic import environment, live
+from spotrain.elastic.control import Channel
+from spotrain.elastic.environment import rank_env
 from spotrain.elastic.job_store import JobStore
+from spotrain.workers.stack import free_port
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member
 from spotrain.workflows.state import JobResult, JobStatus
@@ -280,3 +286,77 @@ async def test_a_live_job_through_a_notice_a_loss_and_growth(
     # once in 40 growths under load and not yet explained: README, known limits.)
     trained_in = {int(line.split()[1]) for line in log.splitlines() if line.startswith("gen ")}
     assert {first, first + 1} <= trained_in, log
+
+
+def test_a_rank_votes_for_a_checkpoint_only_for_an_event_it_saw(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A rank that learned of the event only from its peers' flags has no vote: deciding on
+    its own default, it once started a save its peers never joined."""
+    env = rank_env(plan(tmp_path, 4, [0, 1]), 0, 0, master_port=1, control_file="")
+    for key, value in {**env, environment.RESIZE: "live", elastic.SIGTERM_ENV: "0"}.items():
+        monkeypatch.setenv(key, value)
+    elastic.settings.cache_clear()
+    elastic.store.cache_clear()
+    monkeypatch.setattr(elastic, "_channel", Channel())
+    assert not live.wants_checkpoint()  # nothing seen here (yet)
+    elastic._channel.raise_event("control record", {"kind": "stop", "checkpoint": False})
+    assert not live.wants_checkpoint()  # growth: the survivors' memory carries the state
+    monkeypatch.setattr(elastic, "_channel", Channel())
+    elastic._channel.raise_event("SIGTERM", {"kind": "stop"})
+    assert live.wants_checkpoint()  # a notice, or an event that does not say
+    monkeypatch.delenv(environment.RESIZE)
+    monkeypatch.setattr(elastic, "_channel", Channel())
+    assert not live.wants_checkpoint()
+    elastic._channel.raise_event("control record", {"kind": "stop", "checkpoint": False})
+    assert live.wants_checkpoint()  # restart mode always checkpoints
+    elastic.settings.cache_clear()
+    elastic.store.cache_clear()
+
+
+LEAVES_GROUP = """
+import os, sys, time, torch, torch.distributed as dist
+from spotrain.elastic import live
+live.init_process_group("gloo")
+dist.barrier()
+rank = dist.get_rank()
+if rank == 2:  # waits for rank 0, which parks instead (its own peer was lost): how long?
+    started = time.monotonic()
+    try:
+        dist.recv(torch.ones(1), src=0)
+    except Exception:
+        print(f"failed after {time.monotonic() - started:.2f}", flush=True)
+elif rank == 0:
+    time.sleep(0.5)
+    live.next_generation(7)  # parks; no next generation comes, so it leaves after a while
+else:
+    time.sleep(12)  # alive and silent
+os._exit(0)
+"""
+
+
+def test_a_parked_rank_leaves_its_group_so_a_peer_waiting_on_it_fails_at_once(
+    tmp_path: Path,
+) -> None:
+    """A survivor still blocked in a collective with a rank that parked (its own peer lost)
+    fails on the closed connection at once, not after the collective timeout."""
+    p = plan(tmp_path, 5, [0, 1, 2]).model_copy(update={"collective_timeout_s": 10.0})
+    port = free_port()
+    procs = []
+    for rank in range(3):
+        env = rank_env(p, rank, 0, master_port=port, control_file="")
+        env |= {"MASTER_ADDR": "127.0.0.1", environment.RESIZE: "live"}
+        env |= {environment.PARK_TIMEOUT: "8", elastic.SIGTERM_ENV: "0"}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", LEAVES_GROUP],
+                env={**os.environ, **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [proc.communicate(timeout=60)[0] for proc in procs]
+    waited = float(outputs[2].split("failed after ")[1].split()[0])
+    assert waited < 3, outputs  # rank 0 parked at 0.5 s; its collective timeout is 10 s
+    assert JobStore(p.checkpoint).ack_steps(5) == {0: 7}
