@@ -7,10 +7,12 @@ environment (workers/elastic/environment.py). A node with `procs > 1` still gets
 command: RANK is the node's first rank, LOCAL_RANK 0 and LOCAL_WORLD_SIZE its process count,
 so the command itself launches the local processes (e.g. `torchrun --nproc-per-node
 $LOCAL_WORLD_SIZE ...`). Rank discovery goes through a headless Service per job:
-MASTER_ADDR is rank 0's pod DNS name. Horovod and MPI jobs also get a ConfigMap with the
-hostfile and a `discover_hosts.sh` for the current generation, mounted at /etc/spotrain/hosts,
-and the job's SSH key pair for the launcher's login to the workers: a Secret created once per
-job (authorized_keys, known_hosts, ssh_config), mounted at /etc/spotrain/ssh, deleted with it.
+MASTER_ADDR is rank 0's pod DNS name, and the gang start records its pod IP, which the
+training library's `wait_for_gang` puts in its place (no wait for a new pod's DNS record).
+Horovod and MPI jobs also get a ConfigMap with the hostfile and a `discover_hosts.sh` for the
+current generation, mounted at /etc/spotrain/hosts, and the job's SSH key pair for the
+launcher's login to the workers: a Secret created once per job (authorized_keys,
+known_hosts, ssh_config), mounted at /etc/spotrain/ssh, deleted with it.
 
 Gang start: every container may run at once, but the training library's `wait_for_gang` holds
 its ranks until all pods are Running and Ready and this runtime has marked the generation
