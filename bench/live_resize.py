@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     out, rows = report(asyncio.run(run(args)), args)
-    publish(out, rows, COLUMNS, args.out / "live_resize.json")
+    suffix = "" if args.runtime == "local" else f"_{args.runtime}"
+    publish(out, rows, COLUMNS, args.out / f"live_resize{suffix}.json")
     return out
 
 
