@@ -217,6 +217,10 @@ class KubeRuntime(PodApi):
                 f"gang start of {plan.job} generation {plan.generation} rolled back: {err}",
                 type=GANG_ERROR,
             ) from None
+        if adopted and made:
+            # Survivors meet their new peers at the gang start, within the collective timeout:
+            # not before those are up (a pod's process imports torch and builds its model).
+            self._wait_pods(ns, selector, self._up(plan, made, store), deadline, periodic=True)
         master = pods[kube_live.master_pod(plan, adopted)].status.pod_ip
         store.mark_started(
             plan.generation, time.time(), {"MASTER_ADDR": master} if master else None
@@ -240,18 +244,24 @@ class KubeRuntime(PodApi):
         reset_control(plan.checkpoint, plan.generation)
         deadline = time.monotonic() + self.head_start_s
         made = self._make_pods(ns, plan, adopted, deadline)
-        store = JobStore(plan.checkpoint)
+        up = self._up(plan, made, JobStore(plan.checkpoint))
+        self._wait_pods(ns, owner_selector(plan.job, plan.generation), up, deadline, periodic=True)
 
-        def up(pods: Pods) -> bool | None:
+    @staticmethod
+    def _up(plan: GenerationPlan, made: set[str], store: JobStore) -> Callable[[Pods], bool | None]:
+        """A `_wait_pods` decision: True once every pod in `made` runs and its ranks wait for
+        the gang start (or one of them ended: the start will say why)."""
+
+        def decide(pods: Pods) -> bool | None:
             mine = [pods.get(name) for name in made]
             if any(p is not None and p.status.phase in ENDED for p in mine):
-                return True  # (its start will say why)
+                return True
             if not all(p is not None and ready(p) for p in mine):
                 return None
             ranks = set().union(*(pod_ranks(p) for p in mine))
             return ranks <= store.waiting_ranks(plan.generation) or None
 
-        self._wait_pods(ns, owner_selector(plan.job, plan.generation), up, deadline, periodic=True)
+        return decide
 
     @activity.defn(name=contract.STOP_GENERATION)
     @config_errors

@@ -235,8 +235,7 @@ class LocalRuntime:
         parked = self._parked(plan, store) if live else {}
         if live:
             self._drop_head_start(plan, parked)  # (before any survivor's pid file is written)
-        adopted = live and self._adopt(plan, parked, port, control, store)
-        store.mark_started(plan.generation, time.time())  # one machine: all up
+        adopted = self._adopt(plan, parked, port, control, store) if live else set()
         for rank, node_index, node_id, local_rank in _places(plan):
             r = Rank(rank, gdir)
             if r.pid_file.exists():
@@ -246,6 +245,12 @@ class LocalRuntime:
                 env[environment.STATE_FROM] = "peers" if adopted else "checkpoint"
             command = launch_command(plan, node_index, sys.executable, local_rank)
             self._launch(r, command, env, node_id, local_rank)
+        if adopted:
+            # Survivors meet their new peers at the gang start, within the collective timeout:
+            # not before those are up (a rank started now imports torch and builds its model).
+            fresh = [Rank(r, gdir) for r, *_ in _places(plan) if r not in adopted]
+            self._wait(lambda: self._up(store, plan.generation, fresh), HEAD_START_WAIT_S)
+        store.mark_started(plan.generation, time.time())  # one machine: all up
 
     @activity.defn(name=contract.PREPARE_GENERATION)
     def prepare_generation(self, plan: GenerationPlan) -> None:
@@ -272,12 +277,13 @@ class LocalRuntime:
             self._launch(r, command, env, node_id, local_rank)
         store = JobStore(plan.checkpoint)
         ahead = self._ranks(plan.job, plan.generation)
-        self._wait(
-            lambda: all(
-                r.rank in store.waiting_ranks(plan.generation) or not r.alive() for r in ahead
-            ),
-            HEAD_START_WAIT_S,
-        )
+        self._wait(lambda: self._up(store, plan.generation, ahead), HEAD_START_WAIT_S)
+
+    @staticmethod
+    def _up(store: JobStore, generation: int, ranks: list[Rank]) -> bool:
+        """Every one of `ranks` waits for the gang start (or is gone: nothing to wait for)."""
+        waiting = store.waiting_ranks(generation)
+        return all(r.rank in waiting or not r.alive() for r in ranks)
 
     def _drop_head_start(self, plan: GenerationPlan, parked: dict[int, dict[str, Any]]) -> None:
         """Ranks started ahead (`prepare_generation`) for another membership than the one
@@ -323,19 +329,22 @@ class LocalRuntime:
         port: int,
         control: str,
         store: JobStore,
-    ) -> bool:
+    ) -> set[int]:
         """Live resize: place the previous generation's parked ranks (alive, acked) on this
         generation's member nodes, keeping their local rank, and tell every parked rank its
-        new environment or that it leaves (`gen-<previous>/next.json`). True if any was
-        placed. The placement follows from the files, so a retry writes the same."""
+        new environment or that it leaves (`gen-<previous>/next.json`). The ranks they took
+        in this generation. The placement follows from the files, so a retry writes the
+        same."""
         previous = plan.generation - 1
         gdir = self.gen_dir(plan.job, plan.generation)
         places: dict[str, dict[str, str] | None] = {str(old): None for old in parked}
         by_place = {(rec.get("node_id"), rec.get("local_rank", 0)): o for o, rec in parked.items()}
+        taken = set()
         for rank, node_index, node_id, local_rank in _places(plan):
             old = by_place.get((node_id, local_rank))
             if old is None:
                 continue
+            taken.add(rank)
             was, rec = Rank(old, self.gen_dir(plan.job, previous)), parked[old]
             _write_atomic(
                 Rank(rank, gdir).pid_file,
@@ -347,7 +356,7 @@ class LocalRuntime:
             env = self._env(plan, node_index, local_rank, port, control)
             places[str(old)] = {k: v for k, v in env.items() if k not in plan.env}
         store.write_next(previous, {"generation": plan.generation, "ranks": places})
-        return any(place is not None for place in places.values())
+        return taken
 
     def _launch(
         self, r: Rank, command: list[str], env: dict[str, str], node_id: str, local_rank: int

@@ -18,6 +18,10 @@ from spotrain.workflows.contract import CleanupRequest
 
 pytest.importorskip("torch")
 
+# Enough that the job grows back before it ends: live resizes cost well under a second, so
+# 600 steps could finish at the shrunk size while the replacement's scaling timeout runs.
+STEPS = 1200
+
 
 def steps_by_generation(record: Path) -> dict[int, list[dict]]:
     """Rank 0's record of every step it trained, per generation that trained any (one
@@ -36,7 +40,7 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     bare `python` with no `python` on PATH."""
     record, tmp = tmp_path / "record", tmp_path / "tmp"
     tmp.mkdir()
-    command = [sys.executable, "-m", "spotrain.workers.demo", "--steps", "600"]
+    command = [sys.executable, "-m", "spotrain.workers.demo", "--steps", str(STEPS)]
     command += ["--step-time", "0.02", "--record", str(record)]
     env = os.environ | {"TMPDIR": str(tmp), "PATH": str(tmp_path / "nothing")}
     try:
@@ -55,7 +59,7 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     assert re.search(r"reclaims survived\s*│\s*2\s", run.stdout), run.stdout[-2000:]
     # examples/job.yaml resizes live: the loss without notice costs at most the step in
     # flight (restarting, it would cost everything since the last periodic checkpoint).
-    assert re.search(r"steps done / lost\s*│\s*600 / [01]\s", run.stdout), run.stdout[-2000:]
+    assert re.search(rf"steps done / lost\s*│\s*{STEPS} / [01]\s", run.stdout), run.stdout[-2000:]
     # Checkpoints went to the stack's S3; their figures reached the job's result.
     assert re.search(r"checkpoints\s*│\s*checkpoints \d+ kept", run.stdout), run.stdout[-3000:]
     assert re.search(r"notice -> checkpoint durable\s*│\s*\d+\.\d+ s", run.stdout)
@@ -74,8 +78,8 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     chain = list(gens.values())
     for before, after in itertools.pairwise(chain):
         assert 1 <= after[0]["step"] <= before[-1]["step"] + 1
-    assert chain[0][0]["step"] == 1 and chain[-1][-1]["step"] == 600
-    assert [e["step"] for e in chain[-1]] == list(range(chain[-1][0]["step"], 601))
+    assert chain[0][0]["step"] == 1 and chain[-1][-1]["step"] == STEPS
+    assert [e["step"] for e in chain[-1]] == list(range(chain[-1][0]["step"], STEPS + 1))
     # Loss keeps falling across resizes.
     losses = [e["loss"] for steps in chain for e in steps]
     assert sum(losses[-50:]) / 50 < 0.5 * sum(losses[:50]) / 50

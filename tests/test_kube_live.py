@@ -220,6 +220,10 @@ def test_a_node_lost_without_notice_costs_at_most_the_step_in_flight(
     run(runtime.start_generation, gen1)
     run_until(runtime, gen1, 15, kubelet)
     core.delete_node(NODES["i-0ccc"])  # the instance is gone, and its pod's process with it
+    deadline = time.monotonic() + 10
+    while "live-g1-2" in kubelet.running:  # (the stand-in notices on its next sync)
+        assert time.monotonic() < deadline, "the lost node's process still runs"
+        time.sleep(0.05)
     deadline = time.monotonic() + 60
     while (result := watch(runtime, gen1)).outcome == "progress":
         assert time.monotonic() < deadline, "the loss was never noticed"

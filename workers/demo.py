@@ -33,6 +33,7 @@ from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobResult, JobStatus, Phase
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SETTLE_STEPS = 10  # trained in a generation before the next reclaim
 console = Console()
 
 
@@ -63,14 +64,18 @@ def demo_spec(
 
 @dataclass
 class Script:
-    """When to reclaim what: one node with notice at 30%, another without at 65%."""
+    """When to reclaim what: one node with notice at 30%, another without at 65%, each once
+    the job runs at full size and has trained a few steps in that generation (not while its
+    ranks are still meeting)."""
 
     total: int
     done: list[str] = field(default_factory=list)
+    seen: dict[int, int] = field(default_factory=dict)  # generation -> first step seen in it
 
     def next_reclaim(self, s: JobStatus) -> tuple[str, float | None] | None:
         ranked = sorted((n for n in s.nodes if n.rank is not None), key=lambda n: n.rank or 0)
-        if s.phase != Phase.RUNNING or len(ranked) < 4:
+        first = self.seen.setdefault(s.generation, s.step)
+        if s.phase != Phase.RUNNING or len(ranked) < 4 or s.step < first + SETTLE_STEPS:
             return None
         if not self.done and s.step >= 0.3 * self.total:
             return ranked[1].node_id or "", 20.0
