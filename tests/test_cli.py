@@ -344,9 +344,10 @@ async def test_a_job_paused_at_its_budget_resumes_once_raised(cli: Cli, tmp_path
     assert (await cli("submit", str(write(tmp_path, spec)))).code == 0
     await cli.until(name, lambda s: s.phase == "Paused")
     r = await cli("status", name)
-    assert "(budget $0.05)" in r.out and "paused: budget reached: $0.05 of $0.05" in r.out, r
-    r = await cli("resume", name)
     # (spent: what the nodes cost until released, a cent over the cap on a loaded machine)
+    assert "(budget $0.05)" in r.out, r
+    assert re.search(r"paused: budget reached: \$0\.0[56] of \$0\.05", r.out), r
+    r = await cli("resume", name)
     assert (r.code, "of $0.05; raise it first" in r.err) == (1, True), r
     r = await cli("budget", name, "--usd", "0")
     assert (r.code, "positive number of USD" in r.err) == (2, True), r
