@@ -224,7 +224,8 @@ class LocalRuntime:
 
     @activity.defn(name=contract.START_GENERATION)
     def start_generation(self, plan: GenerationPlan) -> None:
-        """Start every rank not started yet; a repeat call (a retry) starts nothing new."""
+        """Start every rank not started yet (live: adopt the parked ones first), then mark the
+        generation started; a repeat call (a retry) starts nothing new."""
         gdir = self.gen_dir(plan.job, plan.generation)
         gdir.mkdir(parents=True, exist_ok=True)
         port = self._master_port(gdir)
