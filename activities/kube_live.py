@@ -71,10 +71,10 @@ def parked_pods(pods: Iterable[client.V1Pod], acked: set[int]) -> dict[str, Park
 class Adoption:
     """Where the previous generation's parked pods go in the next one."""
 
-    pods: dict[
-        str, int | None
-    ]  # parked pod -> its member index in the next generation; None: it leaves
-    ranks: dict[str, dict[str, str] | None]  # old rank -> its environment; None: it leaves
+    # parked pod -> its member index in the next generation; None: it leaves
+    pods: dict[str, int | None]
+    # old rank -> its environment in the next generation; None: it leaves
+    ranks: dict[str, dict[str, str] | None]
 
     @property
     def adopted(self) -> dict[int, str]:
@@ -106,7 +106,7 @@ def place(plan: GenerationPlan, parked: dict[str, ParkedPod], ns: str, port: int
         name = on_node.get(member.node_id)
         if name is not None and parked[name].procs == member.procs:
             pods[name] = index
-    master = master_pod(plan, {i: n for n, i in pods.items() if i is not None})
+    master = master_pod(plan, Adoption(pods, {}).adopted)
     ranks: dict[str, dict[str, str] | None] = {}
     for name, p in parked.items():
         index = pods[name]
