@@ -42,13 +42,15 @@ from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
 )
 from tests.kube_kubelet import LocalKubelet
 from tests.test_live_resize import consumed
-from tests.test_train_ddp import EXAMPLE, GLOBAL_BATCH, TOTAL_STEPS, records
+from tests.test_train_ddp import EXAMPLE, GLOBAL_BATCH, records
 
 pytest.importorskip("torch")
 
 JOB = "live"
 NODES = {"i-0aaa": "ip-10-0-0-1", "i-0bbb": "ip-10-0-0-2", "i-0ccc": "ip-10-0-0-3"}
 NEW_NODE = ("i-0ddd", "ip-10-0-0-4")
+# Enough that the job is still training when a loaded machine has a head start up (seconds).
+TOTAL_STEPS = 800
 
 
 @pytest.fixture(name="kubelet")
