@@ -478,6 +478,7 @@ class KubeRuntime(PodApi):
             and (n not in bodies or p.metadata.annotations.get(SPEC) != _spec(bodies[n]))
         }
         if stale:
+            activity.logger.info("replacing pods made differently: %s", sorted(stale))
             self._delete_pods(ns, stale, grace_s=0)
             self._wait_pods(ns, selector, lambda pods: not (stale & pods.keys()) or None, deadline)
         for body in bodies.values():

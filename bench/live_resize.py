@@ -42,9 +42,10 @@ from kubernetes import client as kube_client
 from temporalio.client import Client, WorkflowHandle
 
 from spotrain.activities.kube import KubeRuntime
+from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.workers.stack import free_port
+from spotrain.workers.stack import port_block
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.state import JobStatus, Phase, TimelineEntry
@@ -172,10 +173,15 @@ def rank_runtime(
         core = kube_client.CoreV1Api(cluster.admin)
         kubelet = LocalKubelet(core, NAMESPACE, root / "kubelet")
         worker = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
-        runtime = KubeRuntime(
-            NAMESPACE, worker, master_port=free_port(), gang_timeout_s=120, ack_poll_s=0.1
-        )
-        with kubelet.serving(), nodes_follow_instances(cloud, cluster, kubelet):
+        # (every pod here shares this machine's network: rendezvous ports of the bench's own)
+        with (
+            port_block(PORT_SPAN) as rendezvous,
+            kubelet.serving(),
+            nodes_follow_instances(cloud, cluster, kubelet),
+        ):
+            runtime = KubeRuntime(
+                NAMESPACE, worker, master_port=rendezvous, gang_timeout_s=120, ack_poll_s=0.1
+            )
             yield runtime, lambda job, node: None  # its node goes with the instance
 
 

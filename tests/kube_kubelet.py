@@ -12,6 +12,7 @@ as an instance's kubelet would.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -25,11 +26,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import urllib3
 from kubernetes import client
 
 if TYPE_CHECKING:
     from spotrain.activities.simulated import SimulatedCloud
     from tests.k8s_cluster import ControlPlane
+
+log = logging.getLogger(__name__)
 
 
 def _now() -> str:
@@ -89,9 +93,12 @@ def finish_pod(core: client.CoreV1Api, ns: str, name: str, exit_code: int) -> No
     core.patch_namespaced_pod_status(
         name, ns, {"status": _status(pod, phase, {"terminated": terminated})}
     )
-    if core.read_namespaced_pod(name, ns).metadata.deletion_timestamp:
-        with contextlib.suppress(client.ApiException):
+    try:
+        if core.read_namespaced_pod(name, ns).metadata.deletion_timestamp:
             core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+    except client.ApiException as err:
+        if err.status != 404:  # (deleted meanwhile: nothing left to remove)
+            raise
 
 
 def downward_files(pod: client.V1Pod) -> dict[str, dict[str, str]]:
@@ -115,6 +122,7 @@ def downward_files(pod: client.V1Pod) -> dict[str, dict[str, str]]:
 class _Container:
     proc: subprocess.Popen[bytes]
     root: Path
+    uid: str  # the pod's: one deleted and made again under its name is another pod
     stopping_at: float | None = None
 
 
@@ -158,15 +166,21 @@ class LocalKubelet:
             try:
                 self.sync()
             except client.ApiException as err:
-                if err.status != 404:  # a pod or node went between list and update
-                    raise
+                if err.status != 404:  # (404: a pod or node went between list and update)
+                    log.warning("kubelet stand-in: sync failed, retrying", exc_info=err)
+            except (OSError, urllib3.exceptions.HTTPError) as err:  # a loaded API server
+                log.warning("kubelet stand-in: sync failed, retrying", exc_info=err)
 
     def sync(self) -> None:
         live_nodes = {n.metadata.name for n in self.core.list_node().items} & self.nodes
         pods = {p.metadata.name: p for p in self.core.list_namespaced_pod(self.namespace).items}
         for name, container in list(self.running.items()):
             pod = pods.get(name)
-            if pod is None or pod.spec.node_name not in live_nodes:
+            if (
+                pod is None
+                or pod.metadata.uid != container.uid
+                or pod.spec.node_name not in live_nodes
+            ):
                 os.killpg(container.proc.pid, signal.SIGKILL)  # force-deleted, or node gone
                 container.proc.wait()
                 del self.running[name]
@@ -208,7 +222,7 @@ class LocalKubelet:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.running[pod.metadata.name] = _Container(proc, root)
+        self.running[pod.metadata.name] = _Container(proc, root, pod.metadata.uid)
         node_id = (pod.metadata.annotations or {}).get("spotrain.io/node-id", "")
         self.started.append((pod.metadata.name, pod.spec.node_name, node_id))
         start_pod(self.core, self.namespace, pod.metadata.name)

@@ -4,15 +4,18 @@ held (here a capacity pool, a workflow that never ends by itself) is there after
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from spotrain.workers.stack import free_port
+from spotrain.workers.stack import free_port, port_block
 
 
 def processes_using(path: Path) -> list[int]:
@@ -94,3 +97,21 @@ def test_ctrl_c_stops_everything_and_temporal_state_survives_a_restart(tmp_path:
         assert json.loads(status.stdout)["config"]["max_nodes"] == 3
     finally:
         assert dev.interrupt(proc) == 0
+
+
+def test_port_blocks_held_at_once_do_not_overlap() -> None:
+    """Tests on this host each take a block of rendezvous ports (a live job under the stand-in
+    kubelet): a block is free when given, and no other is given while it is held, even to a
+    caller whose random draw starts where the first one's did."""
+    with contextlib.ExitStack() as held:
+        bases = []
+        for _ in range(3):
+            random.seed(17)  # the same first candidate each time
+            bases.append(held.enter_context(port_block(50)))
+        first, second, third = sorted(bases)
+        assert second - first >= 50 and third - second >= 50  # no two overlap
+        for base in bases:
+            assert base >= 10000 and base + 50 <= 20000  # below what free_port picks
+            for port in (base, base + 49):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))  # free: no OSError

@@ -23,8 +23,9 @@ from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.kube import KubeRuntime
+from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.workers.stack import free_port
+from spotrain.workers.stack import port_block
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.state import JobResult
 from tests.jobs import Sim, fast_spec, record_history, running_at, sizes, until
@@ -110,16 +111,22 @@ async def test_live_training_job_on_kubernetes(
     spec = live_job_spec(name, tmp_path, image="ghcr.io/example/train:1")
     core = client.CoreV1Api(cluster.admin)
     worker_sa = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
-    runtime = KubeRuntime(
-        NAMESPACE, worker_sa, master_port=free_port(), gang_timeout_s=60, watch_s=1, ack_poll_s=0.1
-    )
     cloud = SimulatedCloud(zones=["us-east-1a"])
     kubelet = LocalKubelet(core, NAMESPACE, tmp_path / "kubelet")
     with (
+        port_block(PORT_SPAN) as rendezvous,  # every pod here shares this machine's network
         kubelet.serving(),
         nodes_follow_instances(cloud, cluster, kubelet),
         ThreadPoolExecutor(16) as pool,
     ):
+        runtime = KubeRuntime(
+            NAMESPACE,
+            worker_sa,
+            master_port=rendezvous,
+            gang_timeout_s=60,
+            watch_s=1,
+            ack_poll_s=0.1,
+        )
         async with workflow_worker(
             dev_env.client, name, cloud.activities() + runtime.activities(), activity_executor=pool
         ):
@@ -146,10 +153,11 @@ async def test_live_training_job_on_kubernetes(
             assert time.monotonic() < deadline, [p.metadata.name for p in left]
             time.sleep(0.2)
     timeline = [(e.generation, e.event, e.detail) for e in result.timeline]
+    told = "\n".join(map(str, timeline))  # (a string: pytest shows it whole)
     parked = [e for e in timeline if e[1] == "generation parked (live resize)"]
-    assert len(parked) >= 4, timeline
+    assert len(parked) >= 4, told
     gone = [e[2] for e in timeline if e[1] == "node gone"]
-    assert gone == [f"spot {noticed}: reclaimed", f"spot {lost}: lost"], timeline
+    assert gone == [f"spot {noticed}: reclaimed", f"spot {lost}: lost"], told
     assert result.steps_done == 1200 and result.steps_lost <= 1, result
     # Pods are made only for the first three nodes and the two replacements.
     assert len(kubelet.started) == 5, kubelet.started

@@ -23,8 +23,9 @@ from kubernetes import client
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.kube import KubeRuntime
+from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.elastic.job_store import JobStore
-from spotrain.workers.stack import free_port
+from spotrain.workers.stack import port_block
 from spotrain.workflows.contract import (
     CleanupRequest,
     GenerationPlan,
@@ -66,12 +67,13 @@ def kubelet_fixture(cluster: ControlPlane, tmp_path: Path) -> Iterator[LocalKube
 
 
 @pytest.fixture(name="runtime")
-def runtime_fixture(cluster: ControlPlane) -> KubeRuntime:
+def runtime_fixture(cluster: ControlPlane) -> Iterator[KubeRuntime]:
     worker = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
-    # A base port of this test's own: every pod here shares this machine's network.
-    return KubeRuntime(
-        NAMESPACE, worker, master_port=free_port(), gang_timeout_s=60, watch_s=1, ack_poll_s=0.1
-    )
+    # Rendezvous ports of this test's own: every pod here shares this machine's network.
+    with port_block(PORT_SPAN) as base:
+        yield KubeRuntime(
+            NAMESPACE, worker, master_port=base, gang_timeout_s=60, watch_s=1, ack_poll_s=0.1
+        )
 
 
 def plan(tmp_path: Path, generation: int, nodes: list[str], **kw: Any) -> GenerationPlan:

@@ -192,6 +192,20 @@ def test_retried_create_is_idempotent(
     assert services == [201, 409]
 
 
+def test_a_pod_found_made_differently_is_replaced(
+    kube: ControlPlane, core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str
+) -> None:
+    """A pod under a generation's name is kept only if the start would make it the same
+    (a head start's): one made from another plan (here another image) is made again."""
+    run(runtime.start_generation, plan_for(ckpt))
+    old = {n: p.metadata.uid for n, p in pods(core).items()}
+    run(runtime.start_generation, plan_for(ckpt, image="ghcr.io/example/train:2"))
+    new = pods(core)
+    assert new.keys() == old.keys()
+    assert all(new[n].metadata.uid != uid for n, uid in old.items())
+    assert {p.spec.containers[0].image for p in new.values()} == {"ghcr.io/example/train:2"}
+
+
 def test_missing_image_is_a_config_error(runtime: KubeRuntime, ckpt: str) -> None:
     with pytest.raises(ApplicationError) as info:
         run(runtime.start_generation, plan_for(ckpt, image=None))

@@ -25,6 +25,7 @@ import secrets
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,39 @@ def free_port() -> int:
     again after a restart."""
     while True:
         port = random.randint(20000, 32767)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
+        if _bindable(port):
+            return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def port_block(span: int) -> Iterator[int]:
+    """A base port whose block `base .. base + span - 1` is free now, for servers that each
+    pick `base + i` on this host (the Kubernetes runtime's live rendezvous ports, with every
+    pod in this machine's network). Blocks lie in 10000-19999, which `free_port` never
+    picks, and the port just past the block stays bound while it is held: another process
+    asking meanwhile gets another block."""
+    while True:
+        base = 10000 + (span + 1) * random.randrange(10000 // (span + 1))
+        holder = socket.socket()
+        try:
+            holder.bind(("127.0.0.1", base + span))
+        except OSError:
+            holder.close()
+            continue
+        if all(_bindable(p) for p in range(base, base + span)):
+            break
+        holder.close()
+    with holder:
+        yield base
 
 
 @dataclass
