@@ -5,6 +5,7 @@ that no retry heals turned into the job's ConfigError."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -166,20 +167,22 @@ class PodApi:
                 _request_timeout=timeout + 10,
             )
             try:
-                for event in events:
-                    pod = event["object"]
-                    version = pod.metadata.resource_version
-                    if event["type"] == "DELETED":
-                        pods.pop(pod.metadata.name, None)
-                    else:
-                        pods[pod.metadata.name] = pod
-                    activity.heartbeat()
-                    result = decide(pods)
-                    if result is not None:
-                        break
-                else:
-                    if periodic:
+                # (closed on leaving: the connection goes back now, not at garbage collection)
+                with contextlib.closing(events):
+                    for event in events:
+                        pod = event["object"]
+                        version = pod.metadata.resource_version
+                        if event["type"] == "DELETED":
+                            pods.pop(pod.metadata.name, None)
+                        else:
+                            pods[pod.metadata.name] = pod
+                        activity.heartbeat()
                         result = decide(pods)
+                        if result is not None:
+                            break
+                    else:
+                        if periodic:
+                            result = decide(pods)
             except ApiException as err:
                 if err.status != 410:
                     raise
