@@ -165,11 +165,11 @@ class LocalKubelet:
         while not self._stop.wait(self.refresh_s):
             try:
                 self.sync()
-            except client.ApiException as err:
-                if err.status != 404:  # (404: a pod or node went between list and update)
+            except (client.ApiException, OSError, urllib3.exceptions.HTTPError) as err:
+                # (404: a pod or node went between list and update; the rest: a loaded API
+                # server, which a kubelet rides out too)
+                if getattr(err, "status", None) != 404:
                     log.warning("kubelet stand-in: sync failed, retrying", exc_info=err)
-            except (OSError, urllib3.exceptions.HTTPError) as err:  # a loaded API server
-                log.warning("kubelet stand-in: sync failed, retrying", exc_info=err)
 
     def sync(self) -> None:
         live_nodes = {n.metadata.name for n in self.core.list_node().items} & self.nodes
