@@ -102,7 +102,16 @@ class TemporalServer:
             self.proc = None
 
     async def client(self) -> Client:
-        return await Client.connect(self.address, data_converter=pydantic_data_converter)
+        """A client once the frontend is healthy: its port opens first ("Frontend is not
+        healthy yet", seen under load)."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return await Client.connect(self.address, data_converter=pydantic_data_converter)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
 
 class WorkerProcess:
@@ -228,16 +237,22 @@ async def status(handle: Handle) -> JobStatus | None:
 
 
 async def until(
-    handle: Handle, check: Callable[[JobStatus], bool], timeout: float = 90
+    env: ChaosEnv, handle: Handle, check: Callable[[JobStatus], bool], timeout: float = 90
 ) -> JobStatus:
+    """The job's first status that passes `check`; past `timeout`, a failure that says what
+    the job was doing (the last status answered, then the post-mortem)."""
     deadline = time.monotonic() + timeout
-    last = None
+    seen = None
     while time.monotonic() < deadline:
-        last = await status(handle)
-        if last is not None and check(last):
-            return last
+        if (last := await status(handle)) is not None:
+            if check(last):
+                return last
+            seen = last
         await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out; last status: {last}")
+    raise AssertionError(
+        f"{handle.id}: timed out after {timeout:.0f}s; last status answered: {seen}\n"
+        f"{await post_mortem(env, handle)}"
+    )
 
 
 def running(world: int, min_step: int = 0) -> Callable[[JobStatus], bool]:

@@ -80,9 +80,9 @@ async def test_server_killed_and_restarted_mid_resize(chaos_env: ChaosEnv) -> No
     spec["env"]["CHAOS_ACK_DELAY_S"] = "2"
     worker = WorkerProcess(env, job)
     handle = await env.start(spec)
-    before = await until(handle, running(4, min_step=20))
+    before = await until(env, handle, running(4, min_step=20))
     await reclaim(handle, member(before, 1), "server-restart-notice")
-    await until(handle, lambda s: s.phase == "Resizing", timeout=30)
+    await until(env, handle, lambda s: s.phase == "Resizing", timeout=30)
     env.server.kill()
     await asyncio.sleep(1)
     env.server.start()
@@ -102,7 +102,7 @@ async def test_flaky_cloud_never_restarts_healthy_workers(
     injected = flaky_ec2(monkeypatch, 0.2, random.Random(8))
     worker = WorkerProcess(env, job)
     handle = await env.start(env.spec(job))
-    before = await until(handle, running(4, min_step=20))
+    before = await until(env, handle, running(4, min_step=20))
     await reclaim(handle, member(before, 1), "flaky-notice")
     result, _ = await supervise(env, handle, worker)
     monkeypatch.undo()
@@ -127,7 +127,7 @@ async def test_event_storms_change_membership_once_per_real_loss(chaos_env: Chao
     spec["cleanup"] = "never"  # keep the runtime's pid files: they name each generation's nodes
     worker = WorkerProcess(env, job)
     handle = await env.start(spec)
-    first = await until(handle, running(4, min_step=20))
+    first = await until(env, handle, running(4, min_step=20))
     b = member(first, 1)
     for i in range(10):
         await reclaim(handle, b, "storm-b")
@@ -135,17 +135,19 @@ async def test_event_storms_change_membership_once_per_real_loss(chaos_env: Chao
     await reclaim(handle, "i-0123456789abcdef0", "storm-unknown")
     await handle.signal("node_lost", {"node_id": b, "event_id": "storm-b-lost"})
 
-    third = await until(handle, lambda s: running(4)(s) and s.generation >= 3)
+    third = await until(env, handle, lambda s: running(4)(s) and s.generation >= 3)
     c = member(third, 1)
     ec2_support.reclaim(c)  # gone without notice; node_lost arrives before the late notice
     await handle.signal("node_lost", {"node_id": c, "event_id": "storm-c-lost"})
     await reclaim(handle, c, "storm-c-late", in_s=0)
     await reclaim(handle, b, "storm-b-again")
 
-    fourth = await until(handle, lambda s: running(4)(s) and c not in (member(s, 0), member(s, 1)))
+    fourth = await until(
+        env, handle, lambda s: running(4)(s) and c not in (member(s, 0), member(s, 1))
+    )
     a, d = member(fourth, 0), member(fourth, 1)
     await reclaim(handle, a, "storm-a")
-    await until(handle, lambda s: s.phase == "Resizing", timeout=30)
+    await until(env, handle, lambda s: s.phase == "Resizing", timeout=30)
     await reclaim(handle, d, "storm-d-during-resize")
     result, _ = await supervise(env, handle, worker, go_when=lambda _: True)
     await record_history(handle, "chaos_event_storms")
@@ -172,7 +174,7 @@ async def stop_at_random(
     worker = WorkerProcess(env, job)
     handle = await env.start(env.spec(job))
     if training:
-        await until(handle, running(4))
+        await until(env, handle, running(4))
     await asyncio.sleep(delay)
     step = getattr(await status(handle), "step", None)
     if terminate:

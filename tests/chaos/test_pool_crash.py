@@ -49,7 +49,7 @@ async def test_pool_controller_killed_mid_preemption_loses_nothing(chaos_env: Ch
     )
     low_spec = env.spec(low) | {"pool": {"name": POOL}}
     low_handle = await env.start(low_spec, QUEUE)
-    before = await until(low_handle, running(4, min_step=20))  # 2 nodes x 2 ranks
+    before = await until(env, low_handle, running(4, min_step=20))  # 2 nodes x 2 ranks
     env.arm_file(QUEUE).touch()  # the next stop is the shrink the pool asks for
     high_handle = await env.start(env.spec(high) | {"pool": {"name": POOL}, "priority": 5}, QUEUE)
     (env.records(high) / "go").touch()
