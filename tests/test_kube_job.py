@@ -157,7 +157,9 @@ async def test_live_training_job_on_kubernetes(
     parked = [e for e in timeline if e[1] == "generation parked (live resize)"]
     assert len(parked) >= 4, told
     gone = [e[2] for e in timeline if e[1] == "node gone"]
-    assert gone == [f"spot {noticed}: reclaimed", f"spot {lost}: lost"], told
+    # The loss is booked under what the job learns of it first (see test_live_resize.py).
+    assert gone[0] == f"spot {noticed}: reclaimed" and len(gone) == 2, told
+    assert gone[1] in (f"spot {lost}: lost", f"spot {lost}: reclaimed"), told
     assert result.steps_done == 1200 and result.steps_lost <= 1, result
     # Pods are made only for the first three nodes and the two replacements.
     assert len(kubelet.started) == 5, kubelet.started

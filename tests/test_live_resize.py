@@ -292,7 +292,10 @@ async def test_a_live_job_through_a_notice_a_loss_and_growth(
     )
     assert len(parked) >= 4, [(e.generation, e.event, e.detail) for e in result.timeline]
     gone = [e.detail for e in result.timeline if e.event == "node gone"]
-    assert gone == [f"spot {noticed}: reclaimed", f"spot {lost}: lost"], result.timeline
+    # The loss is booked under what the job learns of it first: the node_lost signal ("lost"),
+    # or the cloud's record of the instance ("reclaimed") when the failed watch looks.
+    assert gone[0] == f"spot {noticed}: reclaimed" and len(gone) == 2, result.timeline
+    assert gone[1] in (f"spot {lost}: lost", f"spot {lost}: reclaimed"), result.timeline
     assert result.steps_lost <= 1, result
     # The first rank-0 process trained on through the shrink on the notice: not
     # restarted. (Through every generation, nearly always; but a rank that neither parks nor
