@@ -19,7 +19,7 @@ from typing import Any
 
 from temporalio import activity
 
-from spotrain.elastic.job_store import JobStore
+from spotrain.elastic.job_store import AFTER_RESIZE, JobStore
 from spotrain.workflows.contract import ReclaimNotice, StopRequest
 
 NOTICE_TO_RANKS = "spotrain_notice_to_ranks_seconds"
@@ -42,8 +42,9 @@ def raise_elastic_event(req: StopRequest) -> dict[str, Any]:
         "event_id": f"stop-{req.job}-{req.generation}",
         "time": time.time(),
         "notice_at": req.notice_at.isoformat() if req.notice_at else None,
-        # live resize: the survivors' memory carries the state; a notice still gets one
-        "checkpoint": not req.live or req.notice_at is not None,
+        # live resize: the survivors' memory carries the state; a notice still gets a
+        # checkpoint, which the survivors write beside training once resized (no pause)
+        "checkpoint": True if not req.live else AFTER_RESIZE if req.notice_at else False,
     }
     JobStore(req.checkpoint).write_control(req.generation, record)
     if req.notice_at is not None and activity.in_activity():

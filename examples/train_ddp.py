@@ -64,6 +64,17 @@ def sample_indices(start: int, count: int) -> torch.Tensor:
     return out
 
 
+def build_model(params_m: float) -> nn.Module:
+    """The tiny MLP, or one of about `params_m` million parameters (hidden layers 2048 wide)
+    to measure resizes at the sizes people train."""
+    width = 32 if not params_m else 2048
+    hidden = max(0, round(params_m * 1e6 / (width * width)) - 1) if params_m else 0
+    layers: list[nn.Module] = [nn.Linear(FEATURES, width), nn.Tanh()]
+    for _ in range(hidden):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
 def state_of(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
     """What a checkpoint holds: model and optimizer (DCP reshards both) and the step."""
     model_sd, optim_sd = get_state_dict(model, optim)
@@ -85,6 +96,9 @@ def main() -> int:
     parser.add_argument(
         "--step-time", type=float, default=0.0, help="sleep per step, to stand in for a big model"
     )
+    parser.add_argument(
+        "--params", type=float, default=0, help="millions of parameters (default: a tiny MLP)"
+    )
     args = parser.parse_args()
 
     s = elastic.settings()
@@ -96,7 +110,7 @@ def main() -> int:
     torch.set_num_threads(1)  # a tiny model: threads only fight over the cores
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts them)
     device = torch.device(f"cuda:{s.local_rank}" if cuda else "cpu")
-    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
+    model = build_model(args.params).to(device)
     optim = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     x_all, y_all = dataset()
     s = elastic.wait_for_gang()
@@ -143,6 +157,8 @@ def train(
             group["lr"] = float(s.scale_config.get("lr", 0.02))
         ckpt = checkpoint.Checkpointer()
         ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        if (notice := live.checkpoint_owed()) is not None:  # a live notice's: no pause
+            ckpt.save_async(state_of(model, optim, step), step, kind="notice", notice_at=notice)
         while step < s.total_steps:
             with elastic.busy():  # this rank's own work (backward waits on peers): stragglers
                 start = step * s.global_batch_size + batch.start

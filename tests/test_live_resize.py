@@ -27,7 +27,7 @@ from spotrain.activities.simulated import SimulatedCloud
 from spotrain.elastic import environment, live
 from spotrain.elastic.control import Channel
 from spotrain.elastic.environment import rank_env
-from spotrain.elastic.job_store import JobStore
+from spotrain.elastic.job_store import AFTER_RESIZE, JobStore
 from spotrain.workers.stack import free_port
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member
@@ -106,17 +106,21 @@ def test_survivors_keep_training_through_shrink_and_growth(tmp_path: Path) -> No
     env.run(rt.start_generation, gen0)
     run_until(env, rt, gen0, 12)
 
-    # Shrink on a reclaim notice: checkpointed (the notice asks), every rank parks.
+    # Shrink on a reclaim notice: every rank parks at once; the notice's checkpoint is not
+    # written before (no pause) but by the survivors, beside training, once resized.
     notice = stop_generation(
         env, rt, gen0, graceful=True, grace_s=30, live=True, notice_at=datetime.now(UTC)
     )
     assert notice.acked_ranks == [0, 1, 2] and not notice.forced
     s0 = notice.held_step
-    assert s0 is not None and notice.checkpoint_step == s0
+    assert s0 is not None and (notice.checkpoint_step or 0) < s0
     gen1 = plan(tmp_path, 1, [0, 1])
     env.run(rt.start_generation, gen1)
     assert pids(rt, 1) == {r: pid for r, pid in pids(rt, 0).items() if r < 2}  # same processes
     run_until(env, rt, gen1, s0 + 12)
+    written = [r for r in JobStore(gen1.checkpoint).checkpoints() if r["kind"] == "notice"]
+    assert [(r["step"], r["generation"]) for r in written] == [(s0, 1)], written
+    assert 0 < written[0]["after_notice_s"] < 30 and written[0]["blocked_s"] < 1
 
     # Growth onto a new node: no checkpoint; the joiner takes the state from the survivors.
     grow = stop_generation(env, rt, gen1, graceful=True, grace_s=30, live=True)
@@ -326,6 +330,9 @@ def test_a_rank_votes_for_a_checkpoint_only_for_an_event_it_saw(
     assert not live.wants_checkpoint()  # nothing seen here (yet)
     elastic._channel.raise_event("control record", {"kind": "stop", "checkpoint": False})
     assert not live.wants_checkpoint()  # growth: the survivors' memory carries the state
+    monkeypatch.setattr(elastic, "_channel", Channel())
+    elastic._channel.raise_event("control record", {"kind": "stop", "checkpoint": AFTER_RESIZE})
+    assert not live.wants_checkpoint()  # a notice: the survivors write it once resized
     monkeypatch.setattr(elastic, "_channel", Channel())
     elastic._channel.raise_event("SIGTERM", {"kind": "stop"})
     assert live.wants_checkpoint()  # a notice, or an event that does not say

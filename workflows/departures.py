@@ -46,7 +46,9 @@ class Departures:
                 lost=[],
                 reason=f"reclaim notice for {names}",
                 notice_at=workflow.now(),
-                resize=True,
+                # (every member leaving: nobody holds the state on, so it is checkpointed
+                # before the ranks stop, even with live resize)
+                resize=len(plan.leaving) < len(s.members),
             )
             for n in plan.leaving:
                 await self.gone(n, "reclaimed")

@@ -114,6 +114,7 @@ class _InFlight:
     started: float
     blocked_s: float
     future: Future[Any]
+    notice_at: float | None
     done_at: list[float] = field(default_factory=list)
 
 
@@ -132,15 +133,23 @@ class Checkpointer:
 
     # --- saving ----------------------------------------------------------------------------
 
-    def save_async(self, state: dict[str, Any], step: int, kind: str = "periodic") -> None:
+    def save_async(
+        self,
+        state: dict[str, Any],
+        step: int,
+        kind: str = "periodic",
+        notice_at: float | None = None,
+    ) -> None:
         """Copy the state to memory and write it in the background; blocks only for the copy
-        (and for the previous save, if that one is still being written)."""
+        (and for the previous save, if that one is still being written). `notice_at`: the
+        reclaim notice it insures against (its record says how long after it was durable)."""
         started = time.monotonic()
         self.wait()
         path = self.store.checkpoint_path(step)
         writer = storage_writer(path)
         future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-        pending = _InFlight(step, path, kind, started, time.monotonic() - started, future)
+        blocked = time.monotonic() - started
+        pending = _InFlight(step, path, kind, started, blocked, future, notice_at)
         future.add_done_callback(lambda _f: pending.done_at.append(time.monotonic()))
         self.pending = pending
 
@@ -171,20 +180,29 @@ class Checkpointer:
             print(f"rank {self.s.rank}: checkpoint at step {p.step} failed: {err}", file=sys.stderr)
             return
         end = p.done_at[0] if p.done_at else time.monotonic()
-        self._complete(p.step, p.path, p.kind, end - p.started, p.blocked_s, metadata)
+        self._complete(p.step, p.path, p.kind, end - p.started, p.blocked_s, metadata, p.notice_at)
 
     def close(self) -> None:
         self.wait()
 
     def _complete(
-        self, step: int, path: str, kind: str, duration: float, blocked: float, metadata: Any
+        self,
+        step: int,
+        path: str,
+        kind: str,
+        duration: float,
+        blocked: float,
+        metadata: Any,
+        notice_at: float | None = None,
     ) -> None:
         """Rank 0: record the checkpoint, move the marker forward, apply retention."""
         if not self.s.is_rank0:
             return
         size = sum(info.length for info in (metadata.storage_data or {}).values())
+        after = {} if notice_at is None else {"after_notice_s": round(time.time() - notice_at, 3)}
         self.store.record_checkpoint(
-            {
+            after
+            | {
                 "step": step,
                 "path": path,
                 "kind": kind,

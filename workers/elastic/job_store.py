@@ -32,6 +32,10 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+# A control record's "checkpoint" on a live resize's notice: not before stopping, but by the
+# survivors once resized, beside training (live.checkpoint_owed).
+AFTER_RESIZE = "after resize"
+
 
 class ObjectStore(Protocol):
     def put_json(self, key: str, value: Any) -> None: ...

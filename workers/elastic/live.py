@@ -48,18 +48,22 @@ import json
 import os
 import socket
 import time
-from datetime import timedelta
+from collections.abc import Iterable
+from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
 
 from spotrain import elastic
-from spotrain.elastic import environment
+from spotrain.elastic import environment, handover, job_store
 from spotrain.elastic.control import changed_reader
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
 DEFAULT_PARK_TIMEOUT_S = 600.0
 RENDEZVOUS_POLL_S = 0.005
+
+_owed: float | None = None  # parked on a notice whose checkpoint is still owed (its time)
+_due: float | None = None  # the generation owes that checkpoint (see checkpoint_owed)
 
 
 def enabled() -> bool:
@@ -98,12 +102,25 @@ def collective_timeout() -> timedelta:
 
 def wants_checkpoint() -> bool:
     """This rank's vote for a checkpoint before stopping: it saw the elastic event, and the
-    event asks for one (always in restart mode; in live mode a reclaim notice does, growth and
-    scale-in do not: the survivors' memory carries the state). Ranks see the event a poll
+    event asks for one now (always in restart mode; in live mode only an event that does not
+    say otherwise, such as a SIGTERM: a notice's checkpoint is written after the resize, by the
+    survivors, see `checkpoint_owed`; growth and scale-in need none). Ranks see the event a poll
     apart, and one may learn of it only from its peers, so agree: all-reduce the votes with
     the event flags and checkpoint if any rank voted for it (a save is collective)."""
     event = elastic.elastic_event()
-    return event is not None and (not enabled() or bool(event.get("checkpoint", True)))
+    return event is not None and (not enabled() or event.get("checkpoint", True) is True)
+
+
+def checkpoint_owed() -> float | None:
+    """Once per generation that owes one: the time of the reclaim notice whose checkpoint it
+    must write (start it at once, in the background: `save_async(..., kind="notice")`); else
+    None. A live notice costs no pause: the survivors hold the whole state, so nothing has to
+    be durable before the noticed node dies; the checkpoint only insures against losing the
+    survivors too, and is written beside training (the runtime stops ranks synchronously,
+    checkpoint first, when no rank survives the notice)."""
+    global _due
+    due, _due = _due, None
+    return due
 
 
 def peer_failed(err: BaseException) -> bool:
@@ -117,26 +134,23 @@ def peer_failed(err: BaseException) -> bool:
     )
 
 
-def sync(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> int:
-    """Collective, before (re)building DDP: every rank takes the model, optimizer and step of
-    the most advanced rank (a joiner passes -1). Free when every rank already agrees."""
+def sync(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    step: int,
+    others: Iterable[handover.Stateful] = (),
+) -> int:
+    """Collective, before (re)building DDP: every rank takes the model, optimizer, step and
+    `others` (anything else with a state dict: an LR scheduler...) of the most advanced ranks
+    (a joiner passes -1), tensor by tensor (handover.py). Free when every rank agrees."""
+    global _owed, _due
     if not enabled():
         return step
-    steps = [0] * dist.get_world_size()
-    dist.all_gather_object(steps, step)
-    source = steps.index(max(steps))
-    if min(steps) == max(steps) >= 0:
-        return step
-    payload = [
-        {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
-        if dist.get_rank() == source
-        else None
-    ]
-    dist.broadcast_object_list(payload, src=source)
-    if dist.get_rank() != source:
-        model.load_state_dict(payload[0]["model"])
-        optim.load_state_dict(payload[0]["optim"])
-    return int(payload[0]["step"])
+    held = [(0, None)] * dist.get_world_size()
+    dist.all_gather_object(held, (step, _owed))
+    _owed = None  # this generation owes it now
+    _due = next((owed for _, owed in held if owed is not None), None)
+    return handover.transfer(model, optim, [s for s, _ in held], others)
 
 
 def next_generation(step: int) -> elastic.Settings | None:
@@ -154,6 +168,7 @@ def next_generation(step: int) -> elastic.Settings | None:
         elastic.store().write_ack(s.generation, s.rank, step, time.time())
         if not enabled():
             return None
+        _owe_notice_checkpoint()
         env = _wait_for_place(s)
         if env is None:
             return None
@@ -170,6 +185,15 @@ def next_generation(step: int) -> elastic.Settings | None:
             print(f"rank {new.rank}: the new group did not form: {err}", flush=True)
             continue
         return new
+
+
+def _owe_notice_checkpoint() -> None:
+    """Parking on a notice whose checkpoint comes after the resize: remember the notice."""
+    global _owed
+    event = elastic.elastic_event() or {}
+    if event.get("checkpoint") == job_store.AFTER_RESIZE:
+        notice = event.get("notice_at")
+        _owed = datetime.fromisoformat(notice).timestamp() if notice else event.get("time", 0.0)
 
 
 def _drop_groups() -> None:
