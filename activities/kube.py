@@ -281,11 +281,16 @@ class KubeRuntime(PodApi):
             for n, p in pods.items()
             if p.metadata.annotations[NODE_ID] in req.lost_node_ids or p.spec.node_name in gone
         }
-        self._delete_pods(ns, lost, grace_s=0)
         rest = {n: p for n, p in pods.items() if n not in lost}
         expected = {r for p in rest.values() if p.status.phase not in ENDED for r in pod_ranks(p)}
-        if (req.graceful or req.live) and expected:
-            raise_elastic_event(req)  # the control record the ranks poll (< 1 s)
+        stopping = (req.graceful or req.live) and expected
+        if stopping:
+            # the control record the ranks poll (< 1 s); before the lost pods go, so that
+            # their peers stop waiting on them even if a lost node closes nothing
+            lost_nodes = [pods[n].metadata.annotations[NODE_ID] for n in lost]
+            raise_elastic_event(req, lost=lost_nodes)
+        self._delete_pods(ns, lost, grace_s=0)
+        if stopping:
             if not req.live:  # the downwardAPI fallback (live: see kube_live.py)
                 for name in rest:
                     stop = {"metadata": {"annotations": {CONTROL: STOP}}}

@@ -387,10 +387,12 @@ class LocalRuntime:
         ranks = self._ranks(req.job, req.generation)
         store = JobStore(req.checkpoint)
         lost = [r for r in ranks if (r.record() or {}).get("node_id") in req.lost_node_ids]
-        forced = self._kill(lost)
         if (req.graceful or req.live) and ranks:
-            record = raise_elastic_event(req)  # the control record every rank polls
+            # the control record every rank polls; first, so that the lost nodes' peers stop
+            # waiting on them even where no kill reaches a lost node (a frozen or cut-off one)
+            record = raise_elastic_event(req)
             _write_atomic(self.control_file(req.job, req.generation), json.dumps(record))
+        forced = self._kill(lost)
         parked: dict[int, int] = {}
         if req.live:  # ranks ack, then park alive (live.py): wait for every one to do either
             self._wait(

@@ -34,9 +34,11 @@ def reset_control(checkpoint: str, generation: int) -> None:
     store.write_next(generation, {"generation": None, "ranks": {}})  # no live placement yet
 
 
-def raise_elastic_event(req: StopRequest) -> dict[str, Any]:
+def raise_elastic_event(req: StopRequest, lost: list[str] | None = None) -> dict[str, Any]:
     """Write the control record 'checkpoint and stop' for the generation (idempotent: a retry
-    rewrites the same event id); the record, for a runtime's fallback file."""
+    rewrites the same event id); the record, for a runtime's fallback file. `lost` (default:
+    the request's): nodes gone without notice, whose peers abort what they wait on at once
+    (a frozen or cut-off node closes no connection: live.py)."""
     record = {
         "kind": "stop",
         "event_id": f"stop-{req.job}-{req.generation}",
@@ -45,6 +47,7 @@ def raise_elastic_event(req: StopRequest) -> dict[str, Any]:
         # live resize: the survivors' memory carries the state; a notice still gets a
         # checkpoint, which the survivors write beside training once resized (no pause)
         "checkpoint": True if not req.live else AFTER_RESIZE if req.notice_at else False,
+        "lost": sorted(req.lost_node_ids if lost is None else lost),
     }
     JobStore(req.checkpoint).write_control(req.generation, record)
     if req.notice_at is not None and activity.in_activity():

@@ -44,7 +44,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
@@ -149,6 +149,7 @@ def wait_for_gang(poll_s: float | None = None) -> Settings:
 
 SIGTERM_ENV = "SPOTRAIN_SIGTERM"
 _channel: Channel | None = None
+_listeners: list[Callable[[dict[str, Any]], None]] = []  # every generation's channel calls them
 _start_lock = threading.Lock()
 
 
@@ -159,6 +160,7 @@ def _start() -> Channel:
         if _channel is not None:
             return _channel
         s, channel, every = settings(), Channel(), poll_interval()
+        channel.listeners = _listeners
         channel.watch(StoreRecord(store(), s.generation, every))
         if s.control_file:
             channel.watch(ControlFile(s.control_file, every))
@@ -204,6 +206,13 @@ def elastic_event_detected() -> bool:
     and stop; it stays True. A flag read: the channel's threads do the polling. Ranks may see
     it a poll apart: agree (e.g. all-reduce the flag) before saving."""
     return (_channel or _start()).latched
+
+
+def on_event(listener: Callable[[dict[str, Any]], None]) -> None:
+    """Call `listener(event)` whenever a generation's elastic event latches, from the thread
+    that latched it (quick, and never raising): once registered, for every generation."""
+    if listener not in _listeners:
+        _listeners.append(listener)
 
 
 def elastic_event() -> dict[str, Any] | None:

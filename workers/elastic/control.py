@@ -172,6 +172,9 @@ class Channel:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
+        # called with the event once latched, from the thread that latched it (live.py
+        # aborts a collective waiting on a lost peer): must be quick and never raise
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def raise_event(self, source: str, record: dict[str, Any]) -> bool:
         """Latch the event (the first source wins); True if this call latched it. Safe from
@@ -182,6 +185,8 @@ class Channel:
             self.event = {**record, "source": source, "seen": time.time()}
             self.latched = True
         log.warning("elastic event from %s: %s", source, record)
+        for listener in self.listeners:
+            listener(self.event)
         return True
 
     def watch(self, source: Source) -> None:

@@ -50,6 +50,7 @@ import socket
 import time
 from collections.abc import Iterable
 from datetime import datetime, timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,8 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
 DEFAULT_PARK_TIMEOUT_S = 600.0
 RENDEZVOUS_POLL_S = 0.005
 
+_INET = (socket.AF_INET, socket.AF_INET6)
+_sockets_before: set[str] = set()  # open before this generation's group began to form
 _owed: float | None = None  # parked on a notice whose checkpoint is still owed (its time)
 _due: float | None = None  # the generation owes that checkpoint (see checkpoint_owed)
 
@@ -81,6 +84,10 @@ def init_process_group(backend: str) -> None:
     """`dist.init_process_group` for this generation, with `collective_timeout()`. A rank other
     than 0 first waits (within that timeout) for rank 0's rendezvous to accept connections:
     torch's own client, refused, backs off for about half a second."""
+    global _sockets_before
+    if enabled():
+        elastic.on_event(_abort_if_peer_lost)
+        _sockets_before = set(_tcp_sockets())
     if int(os.environ["RANK"]) != 0:
         address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         deadline = time.monotonic() + collective_timeout().total_seconds()
@@ -185,6 +192,42 @@ def next_generation(step: int) -> elastic.Settings | None:
             print(f"rank {new.rank}: the new group did not form: {err}", flush=True)
             continue
         return new
+
+
+def _abort_if_peer_lost(event: dict[str, Any]) -> None:
+    """The control thread, on a stop naming lost nodes (other than this rank's): end what this
+    rank waits on at once. A killed peer's connections close, but a frozen or cut-off node
+    closes nothing, and a collective waiting on it would sit out `collective_timeout()`. So
+    shut down every connection opened since this generation's group began to form (the
+    groups' own, and a client's that simply reconnects): the collective fails as on a closed
+    connection, and the rank drops the step in flight and parks."""
+    lost = event.get("lost") or []
+    if not enabled() or not lost or elastic.settings().node_id in lost:
+        return
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        with contextlib.suppress(Exception):  # NCCL's own abort (its transport is not TCP)
+            dist.distributed_c10d._abort_process_group()
+    opened = _tcp_sockets()
+    for inode in opened.keys() - _sockets_before:
+        with contextlib.suppress(OSError):  # (closed meanwhile)
+            conn = socket.socket(fileno=os.dup(opened[inode]))
+            with conn:
+                if conn.type == socket.SOCK_STREAM and conn.family in _INET:
+                    conn.getpeername()  # (raises for a listening socket: left alone)
+                    conn.shutdown(socket.SHUT_RDWR)
+    print(f"rank {os.environ.get('RANK')}: nodes {lost} lost: waits on them aborted", flush=True)
+
+
+def _tcp_sockets() -> dict[str, int]:
+    """This process's sockets: inode -> file descriptor (Linux; elsewhere none)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith("socket:"):
+                    out[target] = int(fd)
+    return out
 
 
 def _owe_notice_checkpoint() -> None:
