@@ -303,6 +303,13 @@ def test_a_notice_a_rank_found_goes_to_the_workflow_and_its_stop_is_no_fault(
     rt = LocalRuntime(tmp_path / "rt")
     p = plan(tmp_path, worker, "train")
     env.run(rt.start_generation, p)
+    try:
+        reports_the_notice(env, rt, p)
+    finally:  # (the other ranks train on)
+        env.run(rt.cleanup_job, CleanupRequest(job="job"))
+
+
+def reports_the_notice(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan) -> None:
     wait_for(env, rt, p, 1)
     notice = {"kind": "interruption", "node_id": "node-b", "deadline": None, "event_id": "imds-1"}
     JobStore(p.checkpoint).report_notice(p.generation, notice)
