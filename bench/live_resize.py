@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -56,7 +57,7 @@ from .common import REPO, dev_server, publish, summary
 
 NODES, GLOBAL_BATCH = 3, 48
 KINDS = ("shrink on notice", "growth", "loss without notice")
-COLUMNS = ["kind", "mode", "n", "median", "p99", "min", "max", "restart/live"]
+COLUMNS = ["kind", "mode", "n", "median", "p99", "min", "max", "restart/live", "vs raw"]
 
 
 def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Namespace) -> dict:
@@ -70,6 +71,7 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
             str(record),
             "--step-time",
             str(args.step_time),
+            *(["--params", str(args.params), "--oracle"] if args.params else []),
         ],
         "total_steps": 10**7,
         "global_batch_size": GLOBAL_BATCH,
@@ -156,7 +158,8 @@ def pauses(timeline: list[TimelineEntry], record: Path) -> dict[str, Any]:
             slow.append({"generation": g, "pause_s": pause, "stop": f"{stop.event}: {stop.detail}"})
         if kind == "loss without notice":
             lost.append(max(e["step"] for e in before) - (min(e["step"] for e in after) - 1))
-    return {"pause_s": out, "steps_lost": lost, "slow": slow}
+    handovers = [json.loads(f.read_text()) for f in sorted(record.glob("gen-*-handover.json"))]
+    return {"pause_s": out, "steps_lost": lost, "slow": slow, "handovers": handovers}
 
 
 @contextmanager
@@ -200,7 +203,7 @@ async def run_mode(
         ):
             handle = await client.start_workflow("TrainingJob", spec, id=name, task_queue=name)
             try:
-                s = await back_at_full_size(handle, 0, 10)
+                s = await back_at_full_size(handle, 0, args.settle_steps)
                 for i in range(args.reclaims + args.losses):
                     victim = next(n.node_id for n in s.nodes if n.rank == 1 and n.node_id)
                     if i < args.reclaims:
@@ -210,7 +213,7 @@ async def run_mode(
                         lose(name, victim)
                         cloud.reclaim(victim)
                         await handle.signal("node_lost", {"node_id": victim, "event_id": victim})
-                    s = await back_at_full_size(handle, s.generation, 10)
+                    s = await back_at_full_size(handle, s.generation, args.settle_steps)
                     print(f"{mode}: {i + 1} of {args.reclaims + args.losses} done", file=sys.stderr)
                 timeline = await handle.query("timeline", result_type=list[TimelineEntry])
             finally:
@@ -237,6 +240,13 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
     for mode in measured:
         lost = [float(v) for v in measured[mode]["steps_lost"]]
         rows.append({"kind": "steps lost per loss", "mode": mode, **summary(lost)})
+    handovers = measured.get("live", {}).get("handovers", [])
+    if handovers:  # the joiner's hand-over beside a raw broadcast of the same tensors
+        took = summary([h["handover_s"] for h in handovers])
+        raw = summary([h["raw_s"] for h in handovers])
+        rows.append({"kind": "raw broadcast (limit)", "mode": "live", **raw})
+        ratio = took["median"] / raw["median"] if raw.get("median") else None
+        rows.append({"kind": "hand-over", "mode": "live", **took, "vs raw": ratio})
     out = {
         "benchmark": "live_resize",
         "settings": {
@@ -246,7 +256,10 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
             "ckpt_every": args.ckpt_every,
             "reclaims": args.reclaims,
             "losses": args.losses,
+            "params_m": args.params,
+            "state_mb": (handovers[0]["bytes"] / 1e6) if handovers else None,
         },
+        "load_average": os.getloadavg(),
         "rows": rows,
         "raw": measured,
     }
@@ -261,6 +274,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint (steps)")
     parser.add_argument("--modes", nargs="+", default=["restart", "live"])
     parser.add_argument(
+        "--params",
+        type=float,
+        default=0,
+        help="model size in millions of parameters (default: the example's tiny MLP); live "
+        "mode then also times a raw broadcast of the same tensors after each hand-over",
+    )
+    parser.add_argument(
+        "--settle-steps", type=int, default=10, help="steps at full size between resizes"
+    )
+    parser.add_argument(
         "--runtime",
         choices=["local", "kubernetes"],
         default="local",
@@ -270,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     out, rows = report(asyncio.run(run(args)), args)
     suffix = "" if args.runtime == "local" else f"_{args.runtime}"
+    suffix += f"_{args.params:g}m" if args.params else ""
     publish(out, rows, COLUMNS, args.out / f"live_resize{suffix}.json")
     return out
 

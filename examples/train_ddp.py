@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 
 from spotrain import elastic
-from spotrain.elastic import checkpoint, live
+from spotrain.elastic import checkpoint, handover, live
 
 DATASET_SIZE = 4096
 FEATURES = 8
@@ -90,6 +90,22 @@ def load(ckpt: checkpoint.Checkpointer, model: nn.Module, optim: torch.optim.Opt
     return int(state["step"])
 
 
+def oracle(s: elastic.Settings, model: nn.Module, optim: torch.optim.Optimizer, to: Path) -> None:
+    """Benchmarks: after a hand-over, time a raw `dist.broadcast` of the same tensors on the
+    same group (the limit), and write both beside the step records (rank 0)."""
+    tensors = list(model.state_dict().values())
+    tensors += [v for e in optim.state.values() for v in e.values() if torch.is_tensor(v)]
+    dist.barrier()
+    started = time.monotonic()
+    for t in tensors:
+        dist.broadcast(t, src=handover.last.first_source)
+    raw = time.monotonic() - started
+    if s.is_rank0:
+        took = {"bytes": handover.last.bytes, "handover_s": handover.last.seconds, "raw_s": raw}
+        took |= {"sources": handover.last.sources, "takers": handover.last.takers}
+        (to / f"gen-{s.generation}-handover.json").write_text(json.dumps(took))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", type=Path, help="append consumed positions and losses here")
@@ -98,6 +114,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--params", type=float, default=0, help="millions of parameters (default: a tiny MLP)"
+    )
+    parser.add_argument(
+        "--oracle", action="store_true", help="benchmarks: time a raw broadcast per hand-over"
     )
     args = parser.parse_args()
 
@@ -153,6 +172,8 @@ def train(
     print(f"gen {s.generation} rank {s.rank}/{s.world_size}: step {step}, {batch}", flush=True)
     try:  # (every collective, the first ones too, can meet a lost peer)
         step = live.sync(model, optim, step)
+        if args.oracle and handover.last.takers and args.record:
+            oracle(s, model, optim, args.record)
         for group in optim.param_groups:  # this world size's rate, over the restored state's
             group["lr"] = float(s.scale_config.get("lr", 0.02))
         ckpt = checkpoint.Checkpointer()

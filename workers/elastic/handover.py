@@ -65,6 +65,7 @@ class Stats:
     seconds: float = 0.0
     sources: int = 0
     takers: int = 0
+    first_source: int = 0
 
 
 last = Stats()
@@ -138,8 +139,9 @@ def transfer(
         optim.load_state_dict({"state": optim_state, "param_groups": skel["param_groups"]})
         for obj, state in zip(others, skel["others"], strict=True):
             obj.load_state_dict(state)
+    dist.barrier()  # (so that every rank's clock stops when the last taker has it all)
     last.bytes, last.seconds = sum(sizes), time.monotonic() - started
-    last.sources, last.takers = len(who.sources), len(who.takers)
+    last.sources, last.takers, last.first_source = len(who.sources), len(who.takers), who.sources[0]
     return who.step
 
 
