@@ -16,7 +16,8 @@ whole rank contract:
   a joiner takes the survivors' state; a peer lost mid-step costs only that step.
 
 scale_config keys (per world size): lr, ckpt_every. `--record DIR` appends each rank's
-consumed positions and rank 0's losses there as JSON lines (the tests check them).
+consumed positions and rank 0's losses there as JSON lines, and each rank's final weights
+to DIR/final-rank-R.json (the tests check them).
 """
 
 from __future__ import annotations
@@ -230,6 +231,9 @@ def train(
         if record:
             record.close()
     ckpt.save(state_of(ddp.module, optim, step), step, kind="final")
+    if args.record:  # the tests compare the trained weights across ranks and runs
+        weights = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+        (args.record / f"final-rank-{s.rank}.json").write_text(json.dumps(weights.tolist()))
     elastic.mark_done(step)
     dist.barrier()  # every rank exits only once the done marker is on record
     return None

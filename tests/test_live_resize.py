@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -90,6 +91,20 @@ def through_held(rec: dict[int, list[dict]], killed: int, held: int) -> dict[int
     return {**rec, killed: entries}
 
 
+def notice_checkpoints(location: str) -> list[dict[str, Any]]:
+    return [r for r in JobStore(location).checkpoints() if r["kind"] == "notice"]
+
+
+def assert_same_weights(resized: Path, uninterrupted: Path) -> None:
+    """Every rank's weights after the last step equal an uninterrupted run's, to float tolerance
+    (another world size sums the same global batch in another order)."""
+    want = json.loads((uninterrupted / "final-rank-0.json").read_text())
+    ranks = sorted(resized.glob("final-rank-*.json"))
+    assert ranks and len(want) > 0
+    for f in ranks:  # every rank of the last generation: joiners as well as survivors
+        assert json.loads(f.read_text()) == pytest.approx(want, rel=1e-4, abs=1e-6), f.name
+
+
 def books_the_two_losses(gone: list[str], noticed: str, lost: str) -> bool:
     """The job's "node gone" details: the noticed node reclaimed, then the one lost without
     notice, booked under what the job learns of it first: the node_lost signal ("lost"), or
@@ -118,7 +133,10 @@ def test_survivors_keep_training_through_shrink_and_growth(tmp_path: Path) -> No
     env.run(rt.start_generation, gen1)
     assert pids(rt, 1) == {r: pid for r, pid in pids(rt, 0).items() if r < 2}  # same processes
     run_until(env, rt, gen1, s0 + 12)
-    written = [r for r in JobStore(gen1.checkpoint).checkpoints() if r["kind"] == "notice"]
+    deadline = time.monotonic() + 60  # (written beside training: done when it is done)
+    while not (written := notice_checkpoints(gen1.checkpoint)):
+        assert time.monotonic() < deadline, "the notice's checkpoint was never written"
+        time.sleep(0.1)
     assert [(r["step"], r["generation"]) for r in written] == [(s0, 1)], written
     assert 0 < written[0]["after_notice_s"] < 30 and written[0]["blocked_s"] < 1
 
@@ -146,6 +164,7 @@ def test_survivors_keep_training_through_shrink_and_growth(tmp_path: Path) -> No
     losses = [e["loss"] for g in range(3) for e in rec[g][0]]
     ref_losses = [e["loss"] for e in records(tmp_path, 0, job="ref")[0]]
     assert losses == pytest.approx(ref_losses, rel=1e-3)
+    assert_same_weights(tmp_path / "ddp", tmp_path / "ref")
     store = JobStore(gen2.checkpoint)
     assert store.loaded_step(1) is None and store.loaded_step(2) is None  # nothing from disk
     assert not any(r.alive() for g in range(3) for r in rt._ranks("ddp", g))
@@ -167,7 +186,12 @@ def test_a_rank_lost_without_notice_costs_at_most_the_step_in_flight(tmp_path: P
     assert held is not None and reached - held <= 1, (reached, held)
     gen1 = plan(tmp_path, 1, [0, 1], ckpt_every=1000)
     env.run(rt.start_generation, gen1)
+    ref = restart_plan(tmp_path, 0, 1, job="ref")
+    env.run(rt.start_generation, ref)
     assert run_to_end(env, rt, gen1).exit_codes == {0: 0, 1: 0}
+    run_to_end(env, rt, ref)
+    # The step in flight was dropped whole and redone with the same samples.
+    assert_same_weights(tmp_path / "ddp", tmp_path / "ref")
     rec0, rec1 = records(tmp_path, 0), records(tmp_path, 1)
     assert [e["step"] for e in rec1[0]] == list(range(held + 1, TOTAL_STEPS + 1))
     assert consumed([(through_held(rec0, 2, held), held), (rec1, TOTAL_STEPS)]) == list(
