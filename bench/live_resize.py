@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -159,7 +160,23 @@ def pauses(timeline: list[TimelineEntry], record: Path) -> dict[str, Any]:
         if kind == "loss without notice":
             lost.append(max(e["step"] for e in before) - (min(e["step"] for e in after) - 1))
     handovers = [json.loads(f.read_text()) for f in sorted(record.glob("gen-*-handover.json"))]
-    return {"pause_s": out, "steps_lost": lost, "slow": slow, "handovers": handovers}
+    return {
+        "pause_s": out,
+        "steps_lost": lost,
+        "slow": slow,
+        "handovers": handovers,
+        "step_s": step_durations(steps),
+    }
+
+
+def step_durations(steps: dict[int, list[dict[str, Any]]]) -> list[float]:
+    """Seconds between one step's end and the next's within a generation (one rank's record):
+    a pause above includes one of them (the first step after the resize)."""
+    out = []
+    for entries in steps.values():
+        times = sorted(e["time"] for e in entries if e.get("loss") is not None)  # (rank 0)
+        out += [b - a for a, b in itertools.pairwise(times)]
+    return out
 
 
 @contextmanager
@@ -240,6 +257,8 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
     for mode in measured:
         lost = [float(v) for v in measured[mode]["steps_lost"]]
         rows.append({"kind": "steps lost per loss", "mode": mode, **summary(lost)})
+    for mode in measured:  # the pauses above include one such step
+        rows.append({"kind": "step (for scale)", "mode": mode, **summary(measured[mode]["step_s"])})
     handovers = measured.get("live", {}).get("handovers", [])
     if handovers:  # the joiner's hand-over beside a raw broadcast of the same tensors
         took = summary([h["handover_s"] for h in handovers])

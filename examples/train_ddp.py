@@ -178,7 +178,12 @@ def train(
         for group in optim.param_groups:  # this world size's rate, over the restored state's
             group["lr"] = float(s.scale_config.get("lr", 0.02))
         ckpt = checkpoint.Checkpointer()
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if cuda else None,
+            init_sync=not live.enabled(),  # (live: `sync` made every rank's state the same)
+            gradient_as_bucket_view=True,  # (no second copy of the gradients)
+        )
         if (notice := live.checkpoint_owed()) is not None:  # a live notice's: no pause
             ckpt.save_async(state_of(model, optim, step), step, kind="notice", notice_at=notice)
         while step < s.total_steps:

@@ -213,6 +213,39 @@ def test_after_a_loss_the_hold_is_faulty_scale_down_timeout() -> None:
     assert job_planner.replacement_hold(drop, T0) is None  # drop: shrink at once
 
 
+def test_parked_survivors_re_form_at_once_and_a_fresh_node_joins_later() -> None:
+    """Live resize after a loss, a replacement already ready: the survivors holding the state
+    re-form on their own at once (no hold, no waiting on the new node's process start);
+    without held state, or when the survivors fill no allowed size, the usual rule."""
+    s = state(elastic={"faulty_scale_down_timeout_s": 200, "min_nodes": 2})
+    s.generation, s.members, s.held = 1, [0, 1, 2], True
+    s.hold_until = T0 + timedelta(seconds=200)
+    s.nodes = [node(0), node(1), node(2, state=NodeState.GONE), node(3)]  # 3: the replacement
+    plan = job_planner.next_generation(s, T0, launching=False, survivors_first=True)
+    assert plan.members == [0, 1] and plan.hold_until is None
+    s.prepared = [0, 1, 3]  # a growth: the joiner's ranks got a head start
+    assert job_planner.next_generation(s, T0, launching=False, survivors_first=True).members == [
+        0,
+        1,
+        3,
+    ]
+    s.prepared = []
+    # (before: the survivors sat parked through the hold, then waited on the new process)
+    assert job_planner.next_generation(s, T0, launching=False).members is None
+    s.hold_until = None
+    s.held = False  # (a restart: every rank starts anew anyway)
+    assert job_planner.next_generation(s, T0, launching=False, survivors_first=True).members == [
+        0,
+        1,
+        3,
+    ]
+    s.held, s.nodes[1].state = True, NodeState.GONE  # one survivor: short of min_nodes
+    assert job_planner.next_generation(s, T0, launching=False, survivors_first=True).members == [
+        0,
+        3,
+    ]
+
+
 def test_too_few_ready_nodes_wait_for_the_next_check() -> None:
     s = state()
     s.next_check = T0 + timedelta(seconds=120)

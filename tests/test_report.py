@@ -21,8 +21,15 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.metrics import JobMetrics
-from spotrain.workers.report import PlotUnavailable, Report, plot, print_report, to_html
-from spotrain.workflows.state import JobResult, JobStatus
+from spotrain.workers.report import (
+    PlotUnavailable,
+    Report,
+    plot,
+    print_report,
+    to_html,
+    trained_world,
+)
+from spotrain.workflows.state import JobResult, JobStatus, TimelineEntry
 
 from .jobs import fast_runtime, fast_spec, simulated
 
@@ -107,3 +114,26 @@ def test_job_metrics_on_the_prometheus_endpoint(finished: JobResult) -> None:
     assert values["spotrain_resize_duration_seconds_count"] == status.resizes
     assert values['spotrain_nodes{lifecycle="spot"}'] == 0  # a finished job holds nothing
     assert values["spotrain_cost_rate_usd_per_hour"] == 0
+
+
+def test_a_live_resize_shows_the_world_that_trained_not_a_stop() -> None:
+    """A live resize parks the ranks for a fraction of a second: the report and the picture
+    go from 4 straight to 3, where a restart drops to 0 until the next generation starts."""
+    t = datetime(2026, 11, 25, tzinfo=UTC)
+
+    def at(i: int, event: str, world: int) -> TimelineEntry:
+        return TimelineEntry(
+            time=t + timedelta(seconds=i), generation=1, world_size=world, event=event, detail=""
+        )
+
+    timeline = [
+        at(0, "generation started", 4),
+        at(1, "generation parked (live resize)", 0),
+        at(2, "gone", 0),
+        at(3, "generation started", 3),
+        at(4, "generation checkpointed", 0),
+        at(5, "generation started", 3),
+        at(6, "generation parked (live resize)", 0),
+        at(7, "completed", 0),
+    ]
+    assert trained_world(timeline) == [4, 4, 4, 3, 0, 3, 3, 0]

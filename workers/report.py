@@ -122,9 +122,9 @@ def tables(report: Report) -> Group:
     if report.deadline:
         summary += "\n" + deadline.describe(report.deadline)
     timeline = Table("time", "gen", "world", "event", "detail", title="timeline")
-    for e in report.timeline:
+    for e, world in zip(report.timeline, trained_world(report.timeline), strict=True):
         timeline.add_row(
-            e.time.strftime("%H:%M:%S"), str(e.generation), str(e.world_size), e.event, e.detail
+            e.time.strftime("%H:%M:%S"), str(e.generation), str(world), e.event, e.detail
         )
     cost = Table("", "node-hours", "cost", title="cost")
     hours = report.node_hours or {}
@@ -169,6 +169,26 @@ def nodes_over_time(report: Report) -> dict[str, list[int]]:
     return series
 
 
+LIVE_STOP = "generation parked (live resize)"
+LIVE_RESIZE_ENDS = {"completed", "paused", "preempted", "fault"}  # (no next generation)
+
+
+def trained_world(timeline: list[TimelineEntry]) -> list[int]:
+    """The world size at each entry as training saw it: a live resize parks the ranks for a
+    fraction of a second and they train on at the new size, so from its stop to the next
+    generation's start the generation before still counts (not 0, as for a restart)."""
+    out, live, last = [], False, 0
+    for e in timeline:
+        if e.event == LIVE_STOP:
+            live = True
+        elif e.event.startswith("generation ") or e.event in LIVE_RESIZE_ENDS:
+            live = False
+        out.append(last if live else e.world_size)
+        if not live:
+            last = e.world_size
+    return out
+
+
 class PlotUnavailable(RuntimeError):
     """matplotlib is not installed; the message says how to install it."""
 
@@ -189,7 +209,7 @@ def plot(report: Report, path: Path) -> None:
         ) from None
     x = _seconds(report)
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
-    top.step(x, [e.world_size for e in report.timeline], where="post", color="tab:blue", lw=2)
+    top.step(x, trained_world(report.timeline), where="post", color="tab:blue", lw=2)
     top.set_ylabel("world size")
     top.set_title(f"{report.name}: {report.phase}, {report.reclaims} reclaim(s)")
     for lifecycle, counts in nodes_over_time(report).items():

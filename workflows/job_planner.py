@@ -205,11 +205,24 @@ class NextGeneration:
     too_few: bool = False  # not even the smallest allowed size is ready
 
 
-def next_generation(state: JobState, now: datetime, *, launching: bool) -> NextGeneration:
+def next_generation(
+    state: JobState, now: datetime, *, launching: bool, survivors_first: bool = False
+) -> NextGeneration:
     """The largest allowed membership the ready nodes fill, unless it is short of what the job
     may hold and a hold is on: the first gang start waits `scaling_timeout_s` for the other
-    nodes ordered, and after a loss `faulty_scale_down_timeout_s` for a replacement."""
+    nodes ordered, and after a loss `faulty_scale_down_timeout_s` for a replacement.
+    `survivors_first` (live resize): parked survivors holding the state re-form at once, with
+    the joiners whose ranks got a head start, when they fill an allowed size; a node with no
+    rank yet joins later, by a growth with a head start, so nobody waits on a process start."""
     ready = [n for n in state.nodes if n.state == NodeState.READY]
+    if survivors_first and state.held:
+        kept = [n for n in ready if n.slot in state.members or n.slot in state.prepared]
+        size = planner.best_size(
+            len(kept), sizes(state.spec), cap=min(state.allowed, state.ceiling)
+        )
+        if size is not None:
+            candidates = [planner.Candidate(n.slot, n.lifecycle, n.base) for n in kept]
+            return NextGeneration(planner.choose_members(state.members, candidates, size), None)
     size = planner.best_size(len(ready), sizes(state.spec), cap=min(state.allowed, state.ceiling))
     hold = state.hold_until
     if size is not None and size < state.allowed:

@@ -33,7 +33,7 @@ class Ranks:
         s = self.s
         previous = sum(n.procs for n in s.member_nodes)
         s.generation += 1
-        s.members = members
+        s.members, s.prepared = members, []
         s.generation_checkpoint = s.checkpoint_step
         await calls.start_generation(
             job_planner.generation_plan(s),
@@ -56,6 +56,7 @@ class Ranks:
         s = self.s
         if s.spec.elastic.resize == "live" and s.running:
             plan = job_planner.generation_plan(s, next_members=members)
+            s.prepared = members
             await calls.prepare_generation(
                 plan, f"head start of generation {plan.generation}'s new ranks"
             )

@@ -151,6 +151,10 @@ class JobState(BaseModel):
     timeline: list[TimelineEntry] = Field(default_factory=list)
     submitted_at: datetime | None = None
     hold_until: datetime | None = None
+    held: bool = Field(False, description="the last stop parked its ranks, holding the state")
+    prepared: list[int] = Field(
+        default_factory=list, description="slots whose ranks got a head start (live resize)"
+    )
     grow_since: datetime | None = None
     next_check: datetime | None = None
     failure: str | None = None
@@ -234,6 +238,7 @@ class JobState(BaseModel):
         if result.checkpoint_step is not None:
             self.checkpoint_step = max(self.checkpoint_step, result.checkpoint_step)
         resume = self.checkpoint_step
+        self.held = result.held_step is not None
         if result.held_step is not None:  # live resize: the survivors' memory
             resume = max(resume, result.held_step)
         if self.step > resume:

@@ -388,7 +388,12 @@ class TrainingJob:
 
     async def _start_generation_when_ready(self) -> None:
         s = self._active_state()
-        plan = job_planner.next_generation(s, self._now(), launching=bool(self.fleet.launches))
+        survivors_first = (
+            s.held and s.spec.elastic.resize == "live" and workflow.patched("live-survivors-first")
+        )
+        plan = job_planner.next_generation(
+            s, self._now(), launching=bool(self.fleet.launches), survivors_first=survivors_first
+        )
         s.hold_until = plan.hold_until
         if plan.members is None:
             if plan.too_few:
