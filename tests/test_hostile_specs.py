@@ -184,6 +184,7 @@ def test_scale_config_values_are_plain_finite_json() -> None:
     assert "scale_config: 4.lr: must be a finite number, got inf" in refusal(
         job_spec(scale_config={4: {"lr": INF}})
     )
+    assert "scale_config: 4.l\\nr: must be" in refusal(job_spec(scale_config={4: {"l\nr": NAN}}))
     assert "nested deeper than 8 levels" in refusal(job_spec(scale_config={4: {"x": deep}}))
     assert "integer beyond 64 bits" in refusal(job_spec(scale_config={4: {"n": 2**70}}))
     assert "a set is not a JSON value" in refusal(job_spec(scale_config={4: {"s": {1}}}))
@@ -313,41 +314,49 @@ def test_hostile_numbers_give_a_clear_error_or_a_bounded_spec(
 
 FRAGMENTS = st.sampled_from(
     [
-        "a: &a [x, x, x]\nb: [*a, *a, *a]\n",  # anchors and aliases
-        "total_steps: 5\n",  # a duplicate of the example's key
-        "elastic: {}\n",  # a duplicate mapping key
-        "scale_config: {2: {lr: 1}, 2: {lr: 2}}\n",
-        "priority: " + "9" * 5000 + "\n",
-        "priority: " + ":".join(["59"] * 3000) + "\n",  # a sexagesimal integer
-        "bad: !!python/object:os.system {}\n",
-        "bad: [unclosed\n",
-        "budget_usd: .nan\n",
-        "budget_usd: .inf\n",
+        ("a: &a [x, x, x]\nb: [*a, *a, *a]\n", "YAML anchors and aliases"),
+        ("total_steps: 5\n", "duplicate key 'total_steps'"),
+        ("elastic: {}\n", "duplicate key 'elastic'"),
+        ("scale_config: {2: {lr: 1}, 2: {lr: 2}}\n", "duplicate key"),
+        ("priority: " + "9" * 5000 + "\n", "an integer of 5,000 characters (at most 40)"),
+        ("priority: " + ":".join(["59"] * 3000) + "\n", "an integer of 8,999 characters"),
+        ("bad: !!python/object:os.system {}\n", "not valid YAML: could not determine"),
+        ("bad: [unclosed\n", "not valid YAML: while parsing a flow sequence"),
+        ("budget_usd: .nan\n", "budget_usd: must be a finite number > 0"),
+        ("budget_usd: .inf\n", "budget_usd: must be a finite number > 0"),
     ]
 )
+
+
+def nesting(n: int, opening: str, closing: str, inner: str = "") -> tuple[str, str | None]:
+    """`x: ` nested n deep: refused for its depth past 32 levels, as an unknown key below."""
+    expected = "nested deeper than 32 levels" if n >= 32 else None
+    text = "x: " + opening * n + inner + closing * n + "\n"
+    return text, expected if n >= 30 else "x: Extra inputs are not permitted"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     fragment=FRAGMENTS
-    | st.integers(1, 20_000).map(lambda n: "x: " + "[" * n + "]" * n + "\n")
-    | st.integers(1, 5_000).map(lambda n: "x: " + "{a: " * n + "1" + "}" * n + "\n"),
+    | st.integers(1, 20_000).map(lambda n: nesting(n, "[", "]"))
+    | st.integers(1, 5_000).map(lambda n: nesting(n, "{a: ", "}", inner="1")),
     where=st.booleans(),
 )
-def test_hostile_yaml_gives_one_line_or_a_spec(
-    fragment: str, where: bool, tmp_path_factory: pytest.TempPathFactory
+def test_hostile_yaml_is_refused_in_one_line(
+    fragment: tuple[str, str | None], where: bool, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    text, expected = fragment
     base = EXAMPLE.read_text()
     path = tmp_path_factory.mktemp("spec") / "job.yaml"
-    path.write_text(fragment + base if where else base + "\n" + fragment)
+    path.write_text(text + base if where else base + "\n" + text)
     started = time.process_time()
-    try:
+    with pytest.raises(CliError) as err:
         load_spec(path)
-    except CliError as e:
-        assert e.code == USAGE
-        lines = str(e).splitlines()
-        assert len(lines) == 1 or all(FIELD_LINE.match(x) for x in lines[1:22]), str(e)
     assert time.process_time() - started < 5.0
+    message = str(err.value)
+    assert err.value.code == USAGE and (expected is None or expected in message), message
+    lines = message.splitlines()
+    assert len(lines) == 1 or all(FIELD_LINE.match(x) for x in lines[1:22]), message
 
 
 @pytest.mark.parametrize(
@@ -446,7 +455,7 @@ def test_reclaim_refuses_a_deadline_that_is_not_a_finite_positive_span(deadline:
     assert f"must be > 0 and <= 2,592,000 seconds (30 days), got {deadline}" in err, err
 
 
-async def test_gc_without_aws_settings_says_what_to_set(
+async def test_gc_without_aws_settings_says_what_to_set_and_ec2_errors_are_one_line(
     dev_env: WorkflowEnvironment, tmp_path: Path
 ) -> None:
     """Temporal reachable (the traceback came after it answered), no AWS credentials."""
@@ -463,3 +472,8 @@ async def test_gc_without_aws_settings_says_what_to_set(
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     for setting in ("AWS_ACCESS_KEY_ID", "AWS_REGION", "SPOTRAIN_EC2_ENDPOINT"):
         assert setting in err, err
+    keys = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
+    nothing_there = {"SPOTRAIN_EC2_ENDPOINT": "http://127.0.0.1:9"}
+    code, err, _, _ = spotrain("gc", env=env | keys | nothing_there, temporal=address)
+    assert code == 1 and err.startswith("error: EC2 at http://127.0.0.1:9: Could not connect"), err
+    assert len(err.strip().splitlines()) == 1, err
