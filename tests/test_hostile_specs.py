@@ -6,6 +6,7 @@ every number is finite and bounded; never a traceback or a hang."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
@@ -260,7 +261,7 @@ async def test_a_job_at_the_bounds_runs_and_answers(ts_env: WorkflowEnvironment)
     async with simulated(ts_env.client, runtime=fast_runtime()) as sim:
         handle = await sim.start(spec)
         assert (await sim.status(handle)).phase in ("Pending", "Running", "Succeeded")
-        result = await handle.result()
+        result = await asyncio.wait_for(handle.result(), timeout=120)  # a wedged task: never
     assert (result.phase, result.steps_done) == ("Succeeded", 200)
 
 
