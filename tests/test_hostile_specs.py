@@ -23,6 +23,8 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.cli_jobs import load_spec
@@ -263,6 +265,30 @@ async def test_a_job_at_the_bounds_runs_and_answers(ts_env: WorkflowEnvironment)
         assert (await sim.status(handle)).phase in ("Pending", "Running", "Succeeded")
         result = await asyncio.wait_for(handle.result(), timeout=120)  # a wedged task: never
     assert (result.phase, result.steps_done) == ("Succeeded", 200)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("total_gpus",), 2e6),
+        (("elastic", "graceful_shutdown_timeout_s"), 1e308),
+        (("elastic", "capacity_check_interval_s"), 1e-300),
+        (("deadline", "max_duration_s"), 1e308),
+    ],
+)
+async def test_started_through_temporal_a_hostile_spec_fails_at_once(
+    ts_env: WorkflowEnvironment, path: tuple[Any, ...], value: Any
+) -> None:
+    """Not through the CLI: the workflow's own validation, before any node (2e6 GPUs used to
+    spin the worker's CPU, 1e308 s to fail its task for ever)."""
+    async with simulated(ts_env.client) as sim:
+        handle = await sim.start(put(job_spec(), path, value))
+        with pytest.raises(WorkflowFailureError) as failed:
+            await asyncio.wait_for(handle.result(), timeout=60)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidSpec", cause
+    assert ".".join(map(str, path)) in str(cause), cause
+    assert sim.cloud.launches == []
 
 
 # --- hypothesis: anything at any number --------------------------------------------------------
