@@ -98,7 +98,7 @@ def test_a_new_cap_must_be_positive_and_finite(usd: float) -> None:
         (0, "budget_usd: Input should be greater than 0"),
         (-5, "budget_usd: Input should be greater than 0"),
         ("ten", "budget_usd: Input should be a valid number"),
-        (float("inf"), "budget_usd: Input should be a finite number"),
+        (float("inf"), "budget_usd: must be a finite number > 0 and <= 1,000,000,000, got inf"),
     ],
 )
 def test_spec_refuses_bad_budgets(value: Any, message: str) -> None:

@@ -45,6 +45,7 @@ from spotrain.workers.cli_support import OK, USAGE, CliError, err, rpc_error
 from spotrain.workers.cli_views import cmd_list, cmd_report, cmd_status
 from spotrain.workers.connect import TASK_QUEUE
 from spotrain.workflows import budget
+from spotrain.workflows.spec import MAX_DURATION_S
 from spotrain.workflows.state import Phase
 
 PHASES = [p.value for p in Phase]
@@ -79,9 +80,12 @@ def positive(text: str) -> int:
 
 
 def seconds(text: str) -> float:
+    """A finite span: a negative notice deadline or an infinite wait is a mistake, not a wish."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    if not 0 < value <= MAX_DURATION_S:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"must be > 0 and <= {MAX_DURATION_S:,} seconds (30 days), got {text}"
+        )
     return value
 
 
@@ -134,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue a job of this name that ran before, from its checkpoints",
     )
-    c.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    c.add_argument("--interval", type=seconds, default=1.0, help=argparse.SUPPRESS)
 
     c = command(
         "list",
@@ -153,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
         "  spotrain status my-job\n  spotrain status my-job --watch",
     )
     c.add_argument("--watch", action="store_true", help="refresh until the job ends")
-    c.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    c.add_argument("--interval", type=seconds, default=2.0, help="seconds between refreshes")
     c.add_argument("--json", action="store_true", help="with --watch: one object per line")
 
     c = named(
@@ -198,7 +202,13 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--node", required=True, metavar="ID")
     c.add_argument("--no-notice", action="store_true", help="the node is already gone")
-    c.add_argument("--deadline-s", type=float, default=120.0, help="seconds until it is taken")
+    c.add_argument(
+        "--deadline-s",
+        type=seconds,
+        default=120.0,
+        metavar="S",
+        help="seconds until it is taken (> 0)",
+    )
 
     c = command(
         "gc",

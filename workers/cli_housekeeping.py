@@ -14,6 +14,7 @@ from temporalio.service import RPCError
 
 from spotrain.workers.cli_support import (
     OK,
+    USAGE,
     CliError,
     client,
     emit_json,
@@ -23,17 +24,28 @@ from spotrain.workers.cli_support import (
     runs,
 )
 
+NO_AWS = (
+    "spotrain gc searches EC2 and finds no AWS credentials: set AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and AWS_REGION; against `spotrain dev`, "
+    "SPOTRAIN_EC2_ENDPOINT=http://127.0.0.1:5000 (its moto) with any keys"
+)
+
 
 async def cmd_gc(args: argparse.Namespace) -> int:
     """What terminated jobs left: EC2 instances (by their tags) and the local runtime's rank
     processes (by its state dir). A job counts as running unless Temporal says otherwise, and
     an unreachable Temporal stops gc before anything is reaped."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
     from spotrain.activities.ec2 import EC2Provider
     from spotrain.activities.ec2_ownership import reap
     from spotrain.activities.local import LocalRuntime
     from spotrain.elastic.job_store import reap_checkpoints
     from spotrain.workers.worker import DEFAULT_STATE_DIR
 
+    if boto3.session.Session().get_credentials() is None:  # else a botocore traceback
+        raise CliError(NO_AWS, USAGE)
     c = await client()
     loop = asyncio.get_running_loop()
 
@@ -60,6 +72,8 @@ async def cmd_gc(args: argparse.Namespace) -> int:
         }
     except RPCError as e:
         raise rpc_error(e, None) from None
+    except (BotoCoreError, ClientError) as e:
+        raise CliError(f"EC2 at {provider.endpoint_url or 'AWS'}: {e}") from None
     rows = [
         {
             "instance_id": o.instance_id,

@@ -16,13 +16,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 from spotrain.elastic.job_store import JobStore
+from spotrain.workers.cli_spec_file import SpecFileError, load_data
 from spotrain.workers.cli_support import (
     FAILED,
     OK,
@@ -49,14 +49,11 @@ from spotrain.workflows.state import JobResult, Phase
 def load_spec(path: Path) -> dict[str, Any]:
     """The validated spec as the workflow's JSON input; every bad field named (exit 2)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = load_data(path)
     except OSError as e:
         raise CliError(f"cannot read {path}: {e.strerror}", USAGE) from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise CliError(f"{path}: not valid {kind}: {e}", USAGE) from None
+    except SpecFileError as e:
+        raise CliError(f"{path}: {e}", USAGE) from None
     try:
         spec = parse_spec(data)
     except SpecError as e:

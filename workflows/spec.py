@@ -3,22 +3,92 @@
 One pydantic model validates everything before a single node is ordered, with error messages
 that name the offending field. The same JSON object is the `TrainingJob` workflow's input, so
 `temporal workflow start --input-file job.json` and `spotrain submit job.yaml` agree.
+
+Every number is finite and bounded (the `MAX_*` and `MIN_*` below, documented in the README):
+an infinite grace period or a 1e308 s interval overflows the workflow's timers or never lets
+a wait end, a 1e-300 s interval spins it, and a huge node or GPU count makes planning, whose
+cost grows with the square of the nodes, too slow for a workflow task.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from spotrain.workflows.planner import pack_gpus
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?$"
 
-PositiveSeconds = Annotated[float, Field(gt=0)]
-NonNegativeSeconds = Annotated[float, Field(ge=0)]
+MAX_DURATION_S = 30 * 86_400  # timeouts, grace periods, deadlines, slack: 30 days
+MIN_INTERVAL_S = 0.1  # the workflow's shortest timer: a shorter interval only spins it
+MAX_INTERVAL_S = 86_400  # progress reports and capacity checks: at least daily
+MAX_NODES = 1_000  # ordering 1,000 nodes takes ~0.2 s of a workflow task (quadratic)
+MAX_GPUS_PER_NODE = 64
+MAX_PROCS_PER_NODE = 256
+MAX_TOTAL_GPUS = MAX_NODES * MAX_GPUS_PER_NODE
+MAX_WORLD = MAX_NODES * MAX_PROCS_PER_NODE  # scale_config's keys
+MAX_STEPS = 10**12  # total_steps, steps_per_hour: exact in a JSON double
+MAX_BATCH = 10**9
+MAX_PRICE_USD_H = 10_000  # per node
+MAX_BUDGET_USD = 10**9
+MAX_TRIES = 1_000  # restarts, launch attempts, checkpoints kept
+MAX_PRIORITY = 10**6
+MAX_SLOWDOWN = 1_000
+MAX_LISTED = 100  # instance types, zones, regions, discrete sizes
+MAX_SCALE_CONFIG_VALUES = 10_000
+MAX_SCALE_CONFIG_DEPTH = 8
+
+
+def figure(x: float) -> str:
+    """A bound as people read it: 2,592,000, 0.1, 1e+12."""
+    return f"{x:,.0f}" if float(x).is_integer() and abs(x) < 1e13 else f"{x:g}"
+
+
+def bounded(kind: type[int] | type[float], low: float, high: float, *, above: bool = False) -> Any:
+    """An int or float, finite, in [low, high] (`above`: low itself excluded), as an annotated
+    type. Pydantic's own refusal of inf or NaN ("Input should be a finite number") and of a
+    float too big for an int names no bound: this check runs first and names it."""
+    span = f"{'>' if above else '>='} {figure(low)} and <= {figure(high)}"
+
+    def check(value: Any) -> Any:
+        number = value
+        if isinstance(value, str):  # pydantic reads "1e400" as inf
+            try:
+                number = float(value)
+            except ValueError:
+                return value
+        if isinstance(number, float) and (
+            not math.isfinite(number) or (kind is int and not low <= number <= high)
+        ):
+            raise PydanticCustomError(
+                "bounded", "must be a finite number {span}, got {got}", {"span": span, "got": value}
+            )
+        return value
+
+    floor = {"gt": low} if above else {"ge": low}
+    # Field first: constraints placed after a validator would not reach the JSON schema.
+    return Annotated[kind, Field(le=high, allow_inf_nan=False, **floor), BeforeValidator(check)]
+
+
+Seconds = bounded(float, 0, MAX_DURATION_S)
+PositiveSeconds = bounded(float, 0, MAX_DURATION_S, above=True)
+Interval = bounded(float, MIN_INTERVAL_S, MAX_INTERVAL_S)
+Price = bounded(float, 0, MAX_PRICE_USD_H, above=True)
+Nodes = bounded(int, 1, MAX_NODES)
+NodesOrNone = bounded(int, 0, MAX_NODES)  # a count that may be zero
+Tries = bounded(int, 1, MAX_TRIES)
+WorldSize = bounded(int, 1, MAX_WORLD)
 WarningPolicy = Literal["ignore", "shrink", "make_before_break"]
 
 
@@ -30,11 +100,10 @@ class Strict(BaseModel):
 
 class InstanceType(Strict):
     name: str = Field(min_length=1, description="EC2 instance type, e.g. p3.2xlarge")
-    gpus: int = Field(0, ge=0, description="GPUs on one node of this type")
-    on_demand_price: float = Field(gt=0, description="USD per hour on demand")
-    spot_price: float | None = Field(
+    gpus: bounded(int, 0, MAX_GPUS_PER_NODE) = Field(0, description="GPUs on one node of this type")
+    on_demand_price: Price = Field(description="USD per hour on demand")
+    spot_price: Price | None = Field(
         None,
-        gt=0,
         description="USD per hour on spot, for cost accounting; None: the market price the "
         "provider reports for the node's pool when it is bought",
     )
@@ -43,14 +112,17 @@ class InstanceType(Strict):
 class SpotPolicy(Strict):
     """Where spot nodes may come from and what they may cost."""
 
-    instance_types: list[InstanceType] = Field(min_length=1)
+    instance_types: list[InstanceType] = Field(min_length=1, max_length=MAX_LISTED)
     region: str = Field("us-east-1", description="home region: on-demand nodes are bought here")
     more_regions: list[str] = Field(
         default_factory=list,
+        max_length=MAX_LISTED,
         description="more regions whose spot pools may serve (the ranks' network must span them)",
     )
-    zones: list[str] = Field(default_factory=list, description="empty: any zone of the regions")
-    max_price: float | None = Field(None, gt=0, description="USD per hour; default on-demand")
+    zones: list[str] = Field(
+        default_factory=list, max_length=MAX_LISTED, description="empty: any zone of the regions"
+    )
+    max_price: Price | None = Field(None, description="USD per hour; default on-demand")
     enabled: bool = Field(True, description="false: run on on-demand nodes only")
 
     @property
@@ -76,19 +148,19 @@ class OnDemandPolicy(Strict):
     """When spot is short: whether to fall back to on-demand nodes, and how far."""
 
     fallback: bool = True
-    max_nodes: int | None = Field(None, ge=0, description="cap on on-demand nodes; None: no cap")
+    max_nodes: NodesOrNone | None = Field(None, description="cap on on-demand nodes; None: no cap")
     return_to_spot: bool = Field(True, description="swap fallback nodes back when spot returns")
-    base_nodes: int = Field(0, ge=0, description="on-demand nodes never reclaimed (the base)")
+    base_nodes: NodesOrNone = Field(0, description="on-demand nodes never reclaimed (the base)")
 
 
 class StragglerPolicy(Strict):
     """Ranks much slower than their own history and their peers, or hung while their peers
     step: flagged in `status`, then their node replaced (workflows/stragglers.py)."""
 
-    slowdown: float = Field(
-        2.0, gt=1, description="flag a rank whose recent steps take this many times longer"
+    slowdown: bounded(float, 1, MAX_SLOWDOWN, above=True) = Field(
+        2.0, description="flag a rank whose recent steps take this many times longer"
     )
-    patience_s: NonNegativeSeconds = Field(
+    patience_s: Seconds = Field(
         300, description="a rank flagged slow this long has its node replaced"
     )
     replace: bool = Field(True, description="false: only flag, never replace")
@@ -97,20 +169,23 @@ class StragglerPolicy(Strict):
 class ElasticPolicy(Strict):
     """Sizes the job may take and how fast it changes size."""
 
-    min_nodes: int = Field(1, ge=1)
-    max_nodes: int = Field(1, ge=1)
-    initial_nodes: int | None = Field(None, ge=1, description="default: max_nodes")
-    increment_step: int | None = Field(None, ge=1, description="sizes are min + k*step")
-    discrete_sizes: list[int] | None = Field(None, min_length=1, description="e.g. [2, 4, 8]")
+    min_nodes: Nodes = 1
+    max_nodes: Nodes = 1
+    initial_nodes: Nodes | None = Field(None, description="default: max_nodes")
+    increment_step: Nodes | None = Field(None, description="sizes are min + k*step")
+    discrete_sizes: list[Nodes] | None = Field(
+        None, min_length=1, max_length=MAX_LISTED, description="e.g. [2, 4, 8]"
+    )
     graceful_shutdown_timeout_s: PositiveSeconds = 60
-    scaling_timeout_s: NonNegativeSeconds = Field(30, description="debounce before growing")
-    faulty_scale_down_timeout_s: NonNegativeSeconds = Field(
+    scaling_timeout_s: Seconds = Field(30, description="debounce before growing")
+    faulty_scale_down_timeout_s: Seconds = Field(
         120, description="after a fault, wait this long for a replacement before shrinking"
     )
-    max_restarts: int = Field(5, ge=0, description="failed generations in a row before failing")
-    max_launch_attempts: int = Field(
+    max_restarts: bounded(int, 0, MAX_TRIES) = Field(
+        5, description="failed generations in a row before failing"
+    )
+    max_launch_attempts: Tries = Field(
         20,
-        ge=1,
         description="tries of one node's launch (errors other than no capacity: API limits, "
         "timeouts) before that node is given up; no capacity moves on to the next pool at once",
     )
@@ -139,9 +214,8 @@ class ElasticPolicy(Strict):
         "or order the replacement first and swap onto it in one resize if it is ready before "
         "the deadline minus the checkpoint p99 (else shrink)",
     )
-    max_surge_nodes: int = Field(
+    max_surge_nodes: NodesOrNone = Field(
         0,
-        ge=0,
         description="nodes a make-before-break replacement may hold beyond max_nodes while it "
         "overlaps the warned node (0: only below max_nodes); a pool's grant is never exceeded",
     )
@@ -157,10 +231,10 @@ class ElasticPolicy(Strict):
         "detected within it (passed to ranks as SPOTRAIN_COLLECTIVE_TIMEOUT_S)",
     )
     opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
-    progress_report_interval_s: PositiveSeconds = Field(
+    progress_report_interval_s: Interval = Field(
         30, description="how often running ranks' progress reaches the workflow"
     )
-    capacity_check_interval_s: PositiveSeconds = Field(
+    capacity_check_interval_s: Interval = Field(
         120, description="how often to look for spot capacity and reconcile node states"
     )
 
@@ -214,17 +288,17 @@ class DeadlinePolicy(Strict):
     max_duration_s: PositiveSeconds | None = Field(
         None, description="finish within this many seconds of submission"
     )
-    margin_s: NonNegativeSeconds = Field(
+    margin_s: Seconds = Field(
         1800, description="slack kept in hand: below it, the job moves to on-demand"
     )
-    hysteresis_s: NonNegativeSeconds = Field(
+    hysteresis_s: Seconds = Field(
         3600, description="slack beyond the margin needed to go back to spot"
     )
-    switch_s: NonNegativeSeconds = Field(
+    switch_s: Seconds = Field(
         600, description="how long a move to on-demand takes to train again (launch, load)"
     )
-    steps_per_hour: float | None = Field(
-        None, gt=0, description="expected rate at max_nodes, until the job has measured one"
+    steps_per_hour: bounded(float, 0, MAX_STEPS, above=True) | None = Field(
+        None, description="expected rate at max_nodes, until the job has measured one"
     )
 
     @model_validator(mode="after")
@@ -260,29 +334,36 @@ class JobSpec(Strict):
     env: dict[str, str] = Field(
         default_factory=dict, description="plain settings only: secrets belong in the runtime"
     )
-    procs_per_node: int = Field(1, ge=1)
-    gpus_per_node: int | None = Field(None, ge=0)
-    total_gpus: int | None = Field(None, ge=1, description="packed onto instance shapes")
-    total_steps: int = Field(gt=0, description="the job is done when this many steps are done")
-    global_batch_size: int | None = Field(None, ge=1)
-    scale_config: dict[int, dict[str, Any]] = Field(
-        default_factory=dict, description="per-world-size overrides passed to ranks"
+    procs_per_node: bounded(int, 1, MAX_PROCS_PER_NODE) = 1
+    gpus_per_node: bounded(int, 0, MAX_GPUS_PER_NODE) | None = None
+    total_gpus: bounded(int, 1, MAX_TOTAL_GPUS) | None = Field(
+        None, description="packed onto instance shapes"
+    )
+    total_steps: bounded(int, 0, MAX_STEPS, above=True) = Field(
+        description="the job is done when this many steps are done"
+    )
+    global_batch_size: bounded(int, 1, MAX_BATCH) | None = None
+    scale_config: dict[WorldSize, dict[str, Any]] = Field(
+        default_factory=dict,
+        max_length=MAX_LISTED,
+        description="per-world-size overrides passed to ranks (JSON values: finite numbers, "
+        f"nested at most {MAX_SCALE_CONFIG_DEPTH} deep, {MAX_SCALE_CONFIG_VALUES:,} in all)",
     )
     elastic: ElasticPolicy = Field(default_factory=ElasticPolicy)
     spot: SpotPolicy
     on_demand: OnDemandPolicy = Field(default_factory=OnDemandPolicy)
     checkpoint: str = Field(description="s3://bucket/prefix or file:///path")
-    checkpoint_keep: int = Field(
-        3, ge=1, description="complete checkpoints kept (the training library deletes older)"
+    checkpoint_keep: Tries = Field(
+        3, description="complete checkpoints kept (the training library deletes older)"
     )
     cleanup: Literal["always", "keep_failed", "never"] = "keep_failed"
-    priority: int = Field(0, description="higher runs first when capacity is short")
+    priority: bounded(int, -MAX_PRIORITY, MAX_PRIORITY) = Field(
+        0, description="higher runs first when capacity is short"
+    )
     pool: PoolMembership | None = Field(None, description="None: unconstrained by any pool")
     deadline: DeadlinePolicy | None = Field(None, description="None: no deadline, spot first")
-    budget_usd: float | None = Field(
+    budget_usd: bounded(float, 0, MAX_BUDGET_USD, above=True) | None = Field(
         None,
-        gt=0,
-        allow_inf_nan=False,
         description="total spend cap in USD: reaching it pauses the job after a checkpoint "
         "(`spotrain budget` raises it); None: no cap",
     )
@@ -302,14 +383,7 @@ class JobSpec(Strict):
                 f"({shapes})"
             )
         if self.total_gpus is not None:
-            if max(shapes) == 0:
-                raise ValueError("total_gpus needs instance types with GPUs")
-            packed = [used for _, used in pack_gpus(self.total_gpus, shapes)]
-            if self.elastic.max_nodes != len(packed):
-                raise ValueError(
-                    f"total_gpus {self.total_gpus} packs onto {len(packed)} node(s) using "
-                    f"{' + '.join(map(str, packed))} GPUs: set elastic.max_nodes to {len(packed)}"
-                )
+            self._check_packing(max(shapes))
         if self.on_demand.base_nodes > self.elastic.max_nodes:
             raise ValueError(
                 f"on_demand.base_nodes ({self.on_demand.base_nodes}) > elastic.max_nodes "
@@ -334,6 +408,34 @@ class JobSpec(Strict):
             )
         return self
 
+    @field_validator("scale_config")
+    @classmethod
+    def _json_values(cls, value: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        if problem := json_problem(value):
+            raise ValueError(problem)
+        return value
+
+    def _check_packing(self, largest: int) -> None:
+        """`planner.pack_gpus`'s node count, by arithmetic: packing a refused total (2e6
+        GPUs) node by node, or listing its shares in the message, would cost as much as it."""
+        total = self.total_gpus or 0
+        if largest == 0:
+            raise ValueError("total_gpus needs instance types with GPUs")
+        full, rest = divmod(total, largest)
+        count = full + (1 if rest else 0)
+        if count > MAX_NODES:
+            raise ValueError(
+                f"total_gpus {total} needs {count:,} nodes of {largest} GPUs: a job holds at "
+                f"most {MAX_NODES:,} nodes"
+            )
+        if self.elastic.max_nodes != count:
+            shares = [f"{full} x {largest}" if full > 1 else str(largest)] if full else []
+            shares += [str(rest)] if rest else []
+            raise ValueError(
+                f"total_gpus {total} packs onto {count} node(s) using {' + '.join(shares)} "
+                f"GPUs: set elastic.max_nodes to {count}"
+            )
+
     def instance_type(self, name: str) -> InstanceType:
         for t in self.spot.instance_types:
             if t.name == name:
@@ -341,17 +443,50 @@ class JobSpec(Strict):
         raise KeyError(name)
 
 
+def json_problem(root: Any) -> str | None:
+    """What keeps a value from reaching ranks as plain JSON: a type JSON lacks (a YAML date or
+    set), a number that is not finite or beyond 64 bits, nesting or size past the bounds.
+    Iterative, so that a value nested 10,000 deep costs no recursion."""
+    stack: list[tuple[Any, str, int]] = [(root, "", 0)]
+    seen = 0
+    while stack:
+        value, where, depth = stack.pop()
+        seen += 1
+        if seen > MAX_SCALE_CONFIG_VALUES:
+            return f"more than {MAX_SCALE_CONFIG_VALUES:,} values"
+        if depth > MAX_SCALE_CONFIG_DEPTH + 1:  # + 1: the world-size level
+            return f"{where}: nested deeper than {MAX_SCALE_CONFIG_DEPTH} levels"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str | int) or isinstance(key, bool):
+                    return f"{where or '(top)'}: key {str(key)[:40]!r} is not a string"
+                stack.append((item, f"{where}.{str(key)[:40]}".lstrip("."), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{where}: must be a finite number, got {value}"
+        elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 63:
+            return f"{where}: integer beyond 64 bits"
+        elif not isinstance(value, str | int | float | bool | type(None)):
+            return f"{where}: a {type(value).__name__} is not a JSON value"
+    return None
+
+
 class SpecError(ValueError):
     """A job spec that does not validate; the message lists every bad field."""
 
 
-def describe_errors(err: ValidationError, what: str = "job spec") -> str:
-    """Field-named, one line per problem: `elastic.min_nodes: ...`."""
+def describe_errors(err: ValidationError, what: str = "job spec", most: int = 20) -> str:
+    """Field-named, one line per problem: `elastic.min_nodes: ...`; at most `most` lines, so
+    that a spec of 10,000 unknown keys gets a short answer."""
+    errors = err.errors(include_input=False, include_url=False)
     lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(spec)"
+    for e in errors[:most]:
+        where = ".".join(str(p)[:40] for p in e["loc"]) or "(spec)"
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}")
+        lines.append(f"{where}: {msg}".replace("\r", "\\r").replace("\n", "\\n"))
+    if len(errors) > most:
+        lines.append(f"... and {len(errors) - most} more")
     return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 
