@@ -181,6 +181,9 @@ def test_a_rank_lost_without_notice_costs_at_most_the_step_in_flight(tmp_path: P
         env, rt, gen0, graceful=False, grace_s=10, live=True, lost_node_ids=["node-2"]
     )
     assert lost.acked_ranks == [0, 1] and lost.checkpoint_step is None
+    # The stop told the survivors which node is gone (a node that closes nothing is aborted on)
+    control = JobStore(gen0.checkpoint).store.get_json(JobStore.control_key(0))
+    assert control["lost"] == ["node-2"] and control["checkpoint"] is False
     held = lost.held_step
     reached = max(e["step"] for entries in records(tmp_path, 0).values() for e in entries)
     assert held is not None and reached - held <= 1, (reached, held)

@@ -8,7 +8,7 @@ s3torchconnector: `pip install "spotrain[s3]"`).
         ...train...
         if step % every == 0:
             ckpt.save_async(state, step)              # training goes on while it is written
-        if elastic_event:
+        if elastic_event:                           # (restart mode; live: checkpoint_owed)
             ckpt.save(state, step, kind="notice")     # synchronous: it must be durable now
     ckpt.close()
 

@@ -1,15 +1,22 @@
 """Live resize: on a membership change the surviving ranks keep their process, re-form the
 process group for the next generation and train on from memory; joining ranks take the state
-from a survivor over the new group, not from disk. Opt in with `elastic.resize: live`.
+from the survivors over the new group, tensor by tensor (handover.py), not from disk. Opt in
+with `elastic.resize: live`.
 
-A training loop supports it in a few lines (examples/train_ddp.py is the whole of it):
+A training loop supports it in a few lines (examples/train_ddp.py is the whole of it). What it
+must hold for the hand-over: the module and optimizer (their state dicts travel), and
+anything else with a state dict that every rank must agree on (an LR scheduler, a grad
+scaler: pass it as `others`). What it must not hold across a resize: per-rank data that
+depends on the world size (the data loader's position comes from the step).
 
     live.init_process_group(backend)            # after wait_for_gang
     step = -1 if live.state_from_peers() else load_checkpoint(model, optim)
     while True:
         try:
-            step = live.sync(model, optim, step)    # every rank takes the most advanced state
-            ddp = DistributedDataParallel(model)    # (rebuilt for each membership)
+            step = live.sync(model, optim, step, others=[scheduler])  # the newest state
+            ddp = DistributedDataParallel(model, init_sync=False)    # (for each membership)
+            if (notice := live.checkpoint_owed()) is not None:       # a notice's, no pause
+                ckpt.save_async(state, step, kind="notice", notice_at=notice)
             ...train; all-reduce [elastic_event_detected(), wants_checkpoint()] each step:
             on the event, checkpoint if any rank wants it (live.wants_checkpoint), break...
         except Exception as err:
@@ -21,16 +28,25 @@ A training loop supports it in a few lines (examples/train_ddp.py is the whole o
 
 How the runtime and the library meet, through the job's store (job_store.py):
 - A live stop raises the elastic event as usual; each rank finishes its step, checkpoints if
-  any rank's vote asks for it (`wants_checkpoint`: a reclaim notice does; growth and
-  scale-in do not), leaves the process group, then acks with its step and parks: an ack
-  from a rank still alive means "I hold step S in memory". A rank whose collective failed
-  (a peer lost without notice: at once when its connections close, else within
-  `collective_timeout()`) drops the step in flight and parks the same way; leaving the group
-  first closes its connections, so a survivor still waiting on it fails at once too.
+  any rank's vote asks for it now (`wants_checkpoint`: growth, scale-in and a reclaim notice
+  do not), leaves the process group, then acks with its step and parks: an ack from a rank
+  still alive means "I hold step S in memory". A rank whose collective failed drops the step
+  in flight and parks the same way; leaving the group first closes its connections, so a
+  survivor still waiting on it fails at once too.
+- What must be durable before a noticed node dies: nothing, while a rank survives it (every
+  rank holds the whole state). The notice's checkpoint is owed by the next generation, which
+  writes it in the background from its first step (`checkpoint_owed`); its record says how
+  long after the notice it was durable. When every member is noticed at once the workflow
+  stops in restart mode, checkpoint first.
+- A node lost without notice: the stop's control record names it; each survivor's control
+  thread then shuts down the connections its groups opened, so a collective waiting on a
+  node that closes nothing (frozen, cut off) fails at once instead of after
+  `collective_timeout()`.
 - Starting the next generation, the runtime adopts the parked ranks on its member nodes and
   writes `gen-<old>/next.json`: each parked rank's new environment (rank, world size, master
   address and port, generation), or null for a rank that leaves. It starts processes only for
-  the new places, telling them to take the state from their peers.
+  the new places, telling them to take the state from their peers (the workflow adds only
+  nodes whose ranks got a head start, so survivors never wait on a process start).
 - A parked rank polls that record (every 20 ms on file://, 100 ms on s3://), takes the new
   environment and joins the new group (at the rendezvous the gang start recorded, if any).
   With no next generation within `SPOTRAIN_PARK_TIMEOUT_S` (default 600 s), or on SIGTERM,
