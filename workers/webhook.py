@@ -503,7 +503,10 @@ def main(argv: list[str] | None = None) -> None:
         "Configured by environment: SPOTRAIN_WEBHOOK_PORT (8080), SPOTRAIN_WEBHOOK_HOST, "
         "SPOTRAIN_WEBHOOK_TOKEN[_FILE], SPOTRAIN_WEBHOOK_HMAC_SECRET[_FILE], "
         "SPOTRAIN_WEBHOOK_SNS_TOPIC_ARNS, SPOTRAIN_WEBHOOK_QUEUE_URL (SQS mode), "
-        "SPOTRAIN_WEBHOOK_KUBE_NODES=1 (resolve node names through the Kubernetes API); Temporal: "
+        "SPOTRAIN_WEBHOOK_KUBE_NODES=1 (resolve node names through the Kubernetes API), "
+        "SPOTRAIN_WEBHOOK_HEADER_TIMEOUT_S and _BODY_TIMEOUT_S (10), "
+        "SPOTRAIN_WEBHOOK_OWNER_CACHE_TTL_S (10), SPOTRAIN_WEBHOOK_BUSY_RETRY_S (4), "
+        "SPOTRAIN_WEBHOOK_HMAC_LEGACY=1 (deprecated); Temporal: "
         "TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_TLS_*, TEMPORAL_PROFILE "
         "(docs/security.md). See docs/webhook.md.",
     ).parse_args(argv)
