@@ -249,6 +249,7 @@ async def running_webhook(
     http_get: Callable[[str], Awaitable[bytes]] | None = None,
     clock: Callable[[], float] = time.time,
     public_roots: bool = False,
+    hmac_legacy: bool = False,
     **config: Any,
 ) -> AsyncIterator[Webhook]:
     """The service on a free port; SNS certificates are trusted from the test CA, or with
@@ -259,6 +260,7 @@ async def running_webhook(
         bearer_token=TOKEN,
         hmac_secret=HMAC_SECRET,
         sns_topic_arns=frozenset([TOPIC, *topics]),
+        hmac_legacy=hmac_legacy,
         **({} if public_roots else {"sns_ca_file": ca_file}),
     )
     service = WebhookService(
@@ -425,14 +427,14 @@ async def test_bad_input_gets_the_right_status(hook: Webhook) -> None:
 async def test_forged_and_unsigned_requests_are_refused(hook: Webhook, jobs: Jobs) -> None:
     job = await jobs.start("i-0auth1")
     body = json.dumps({"instance_id": "i-0auth1", "event_id": "forged"}).encode()
-    stale = hmac_headers(HMAC_SECRET, body, now=time.time() - 600)
+    stale = hmac_headers(HMAC_SECRET, body, "POST", "/v1/reclaims", now=time.time() - 600)
     refused = [
         {},
         {"Authorization": "Bearer wrong"},
         {"Authorization": f"Basic {TOKEN}"},
-        hmac_headers("other-secret", body),
+        hmac_headers("other-secret", body, "POST", "/v1/reclaims"),
         stale,
-        hmac_headers(HMAC_SECRET, body + b" "),  # signature of another body
+        hmac_headers(HMAC_SECRET, body + b" ", "POST", "/v1/reclaims"),  # another body
     ]
     for headers in refused:
         for path in ("/v1/reclaims", "/v1/events/aws", "/v1/events/kubernetes"):
@@ -460,9 +462,11 @@ async def test_forged_and_unsigned_requests_are_refused(hook: Webhook, jobs: Job
     await asyncio.sleep(0.3)
     assert await received(job) == []
     # The same requests properly signed go through.
-    assert (await hook.post("/v1/reclaims", body, headers=hmac_headers(HMAC_SECRET, body)))[
-        0
-    ] == 200
+    assert (
+        await hook.post(
+            "/v1/reclaims", body, headers=hmac_headers(HMAC_SECRET, body, "POST", "/v1/reclaims")
+        )
+    )[0] == 200
     assert (await hook.post("/v1/events/aws", hook.sns.sign(notification), headers={}))[0] == 200
     await eventually(lambda: _has(job, 2))
     assert [s["event_id"] for s in await received(job)] == ["forged", event["id"]]

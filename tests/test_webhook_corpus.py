@@ -148,9 +148,12 @@ async def test_corpus_payload_end_to_end(
     signals: list[dict[str, Any]],
 ) -> None:  # fmt: skip
     job = await jobs.start(node)
-    answer, body = await hook.post(path, load(name))
-    assert answer == status, body
-    got = [_deadline_text(s) for s in await signals_after(hook, job, node)]
+    try:
+        answer, body = await hook.post(path, load(name))
+        assert answer == status, body
+        got = [_deadline_text(s) for s in await signals_after(hook, job, node)]
+    finally:  # the next payload's job owns the same node: one node, one job (docs/webhook.md)
+        await job.terminate()
     assert got == signals
     if signals and signals[0]["signal"] == "reclaim":  # the workflow takes it as it arrives
         ReclaimNotice.model_validate({k: v for k, v in signals[0].items() if k != "signal"})
@@ -318,11 +321,13 @@ async def test_odd_hmac_timestamps_are_401_never_500(hook: Webhook) -> None:
     body = json.dumps(sentinel("i-0nobody")).encode()
     arabic_indic_now = "".join(chr(0x660 + int(d)) for d in str(int(time.time())))
     for ts in [arabic_indic_now, "\u00b2", "9" * 5000, "1" * 16, "-1", " 1", "1e9", ""]:
-        headers = {**hmac_headers(HMAC_SECRET, body), TIMESTAMP_HEADER: ts}
+        headers = {**hmac_headers(HMAC_SECRET, body, "POST", "/v1/reclaims"), TIMESTAMP_HEADER: ts}
         assert (await hook.post("/v1/reclaims", body, headers=headers))[0] == 401, ts[:20]
-    assert (await hook.post("/v1/reclaims", body, headers=hmac_headers(HMAC_SECRET, body)))[
-        0
-    ] == 202
+    assert (
+        await hook.post(
+            "/v1/reclaims", body, headers=hmac_headers(HMAC_SECRET, body, "POST", "/v1/reclaims")
+        )
+    )[0] == 202
 
 
 FAR = ["9999-12-31T23:59:59Z", "0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-05:00"]

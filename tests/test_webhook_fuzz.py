@@ -156,7 +156,7 @@ async def test_any_auth_header_value_is_401_never_500(
     signature over the body does not help a timestamp that is not ASCII seconds."""
     hook, _, _ = target
     body = json.dumps({"instance_id": GUARD, "event_id": "h"}).encode()
-    valid = hmac_headers(HMAC_SECRET, body)
+    valid = hmac_headers(HMAC_SECRET, body, "POST", path)
     for headers in (
         {TIMESTAMP_HEADER: ts, SIGNATURE_HEADER: signature},
         {TIMESTAMP_HEADER: ts, SIGNATURE_HEADER: valid[SIGNATURE_HEADER]},

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -206,7 +207,7 @@ def webhook_request(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]
         headers["Authorization"] = f"Bearer {token}"
     secret = os.environ.get("SPOTRAIN_WEBHOOK_HMAC_SECRET")
     if secret:
-        headers.update(hmac_headers(secret, data))
+        headers.update(hmac_headers(secret, data, "POST", urllib.parse.urlsplit(url).path))
     request = urllib.request.Request(url, data=data, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=10) as resp:

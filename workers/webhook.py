@@ -1,12 +1,12 @@
 """The reclaim webhook: cloud interruption notices in, `reclaim` / `node_lost` signals out.
 
 Each notice is authenticated (webhook_auth), normalised (webhook_events), mapped from instance
-id to the running job workflow(s) by a visibility query on the `SpotrainNodeIds` search
-attribute, and signalled with its event id. The HTTP answer comes only after Temporal accepted
-the signal: 503 while Temporal is unreachable so the sender retries, and the SQS poller
-deletes a message only once its event was handled. Duplicates have one effect: the signal's
-request id derives from the event id (Temporal drops a repeat within a run) and the workflow
-dedupes by event id as well.
+id to the running job workflow(s) through an index of the `SpotrainNodeIds` search attribute
+that each owner's own state confirms before it is signalled (webhook_dispatch), and signalled
+with its event id. The HTTP answer comes only after Temporal accepted the signal: 503 while
+Temporal is unreachable so the sender retries, and the SQS poller deletes a message only once
+its event was handled. Duplicates have one effect: the signal's request id derives from the
+event id (Temporal drops a repeat within a run) and the workflow dedupes by event id as well.
 
 Endpoints (see webhook_openapi.yaml): POST /v1/reclaims, /v1/events/aws,
 /v1/events/kubernetes; GET /healthz, /readyz, /metrics.
@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,19 +28,10 @@ from typing import Any
 import aiohttp
 import boto3
 from aiohttp import web
-from kubernetes import client as kube_client
-from kubernetes import config as kube_config
-from kubernetes.client.exceptions import ApiException
-from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.workflowservice.v1 import (
-    GetSystemInfoRequest,
-    ListWorkflowExecutionsRequest,
-    SignalWorkflowExecutionRequest,
-)
+from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import Client
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
-from spotrain.activities import kube_api
 from spotrain.workers.connect import Unreachable, connect, give_up
 from spotrain.workers.webhook_auth import (
     AuthConfig,
@@ -52,6 +42,12 @@ from spotrain.workers.webhook_auth import (
     is_sns_url,
     sns_host,
 )
+from spotrain.workers.webhook_dispatch import (
+    Dispatcher,
+    NodeNames,
+    TemporalUnavailable,
+    log_event,
+)
 from spotrain.workers.webhook_events import (
     Ignored,
     MalformedJSON,
@@ -59,26 +55,18 @@ from spotrain.workers.webhook_events import (
     SchemaError,
     decode_json,
     is_sns_envelope,
-    outcome_kind,
     parse_aws,
     parse_kubernetes,
     parse_reclaim,
 )
 from spotrain.workers.webhook_metrics import Metrics
-from spotrain.workflows import attributes
-from spotrain.workflows.contract import NodeLost, ReclaimNotice
 
 log = logging.getLogger("spotrain.webhook")
 
-# Pauses before retrying a call Temporal refused as RESOURCE_EXHAUSTED (a rate limit, a busy
-# workflow): that passes in moments, so the sender is not made to retry (or, for a reclaim,
-# to lose part of its two minutes). Any other error is answered at once.
-BUSY_RETRY_PAUSES_S = (0.05, 0.2, 0.5)
-
-
-def _log(level: int, event: str, **fields: Any) -> None:
-    """One JSON object per line: ids and outcomes only, never bodies, headers or secrets."""
-    log.log(level, json.dumps({"event": event, **fields}, default=str))
+# The HTTP server's own log (aiohttp's): its messages quote the bytes it could not parse, a
+# header line with a bearer token among them, so each record is reduced to the error's type.
+http_log = logging.getLogger("spotrain.webhook.http")
+CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection before the answer"
 
 
 class ConfigError(ValueError):
@@ -100,6 +88,10 @@ class WebhookConfig:
     port: int = 8080
     max_body_bytes: int = 64 * 1024
     rpc_timeout_s: float = 5.0
+    header_timeout_s: float = 10.0  # request head complete within this of connect/last answer
+    body_timeout_s: float = 10.0  # body complete within this of its head, else 408
+    owner_cache_ttl_s: float = 10.0  # 0: a visibility query per notice (webhook_dispatch)
+    busy_retry_s: float = 4.0  # retrying RESOURCE_EXHAUSTED; under EventBridge's 5 s timeout
     queue_url: str | None = None  # SQS queue mode when set
     queue_dedicated: bool = False  # the operator says no one else reads that queue
     sqs_endpoint_url: str | None = None
@@ -111,6 +103,11 @@ class WebhookConfig:
     def __post_init__(self) -> None:
         if self.queue_url and not self.queue_dedicated:
             raise ConfigError(SHARED_QUEUE)
+        for name in ("header_timeout_s", "body_timeout_s", "rpc_timeout_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise ConfigError(f"{name} must be more than 0 and at most 3600 seconds")
+        if not 0 <= self.owner_cache_ttl_s <= 3600 or not 0 <= self.busy_retry_s <= 60:
+            raise ConfigError("owner_cache_ttl_s must be 0-3600 s and busy_retry_s 0-60 s")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WebhookConfig:
@@ -119,6 +116,10 @@ class WebhookConfig:
             host=env.get("SPOTRAIN_WEBHOOK_HOST", "0.0.0.0"),
             port=int(env.get("SPOTRAIN_WEBHOOK_PORT", "8080")),
             max_body_bytes=int(env.get("SPOTRAIN_WEBHOOK_MAX_BODY_BYTES", str(64 * 1024))),
+            header_timeout_s=_seconds(env, "SPOTRAIN_WEBHOOK_HEADER_TIMEOUT_S", 10.0),
+            body_timeout_s=_seconds(env, "SPOTRAIN_WEBHOOK_BODY_TIMEOUT_S", 10.0),
+            owner_cache_ttl_s=_seconds(env, "SPOTRAIN_WEBHOOK_OWNER_CACHE_TTL_S", 10.0),
+            busy_retry_s=_seconds(env, "SPOTRAIN_WEBHOOK_BUSY_RETRY_S", 4.0),
             queue_url=env.get("SPOTRAIN_WEBHOOK_QUEUE_URL") or None,
             queue_dedicated=_flag(env, "SPOTRAIN_WEBHOOK_QUEUE_DEDICATED"),
             sqs_endpoint_url=env.get("SPOTRAIN_WEBHOOK_SQS_ENDPOINT_URL") or None,
@@ -131,135 +132,35 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "") not in ("", "0", "false")
 
 
-class TemporalUnavailable(Exception):
-    """Temporal did not accept the lookup or the signal: the sender must retry."""
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        return float(env.get(name) or default)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds") from None
 
 
-# --- instance id -> job workflow -> signal ---------------------------------------------------
+class _OnlyErrorTypes(logging.Filter):
+    """Rewrites each record of the HTTP server's log to the error's type (and status), so no
+    bytes a client sent, header values included, reach a log or a traceback."""
 
-
-class NodeNames:
-    """Kubernetes node name -> EC2 instance id (the node's providerID or instance-id label),
-    for notices that name a node the way the cluster does (EKS: `ip-10-0-1-2.ec2.internal`).
-    Names are cached: a node keeps its instance for life."""
-
-    def __init__(self, api_client: kube_client.ApiClient | None = None) -> None:
-        if api_client is None:
-            try:
-                kube_config.load_incluster_config()
-            except kube_config.ConfigException:
-                kube_config.load_kube_config()
-        self._core = kube_client.CoreV1Api(api_client)
-        self._known: dict[str, str] = {}
-
-    async def instance_id(self, name: str) -> str | None:
-        if name not in self._known:
-            try:
-                node = await asyncio.to_thread(self._core.read_node, name)
-            except ApiException as err:
-                if err.status == 404:
-                    return None
-                raise
-            found = kube_api.instance_id(node)
-            if found is None:
-                return None
-            self._known[name] = found
-        return self._known[name]
-
-
-class Dispatcher:
-    """Finds the running job workflow(s) that own a node and signals them."""
-
-    def __init__(
-        self,
-        client: Client,
-        metrics: Metrics,
-        rpc_timeout_s: float = 5.0,
-        node_names: NodeNames | None = None,
-    ) -> None:
-        self._client = client
-        self._metrics = metrics
-        self._timeout = timedelta(seconds=rpc_timeout_s)
-        self._node_names = node_names
-
-    async def deliver(self, outcome: Outcome, source: str, started: float) -> list[str]:
-        """Signal every running workflow owning the node; returns their ids ([] if none).
-        `started` is the perf_counter time the event arrived, for the latency histogram."""
-        kind = outcome_kind(outcome)
-        self._metrics.inc("spotrain_webhook_events_total", source=source, kind=kind)
-        if isinstance(outcome, Ignored):
-            _log(logging.INFO, "ignored", source=source, reason=outcome.reason)
-            return []
-        signal = "node_lost" if isinstance(outcome, NodeLost) else "reclaim"
-        fields = {
-            "source": source,
-            "kind": kind,
-            "node_id": outcome.node_id,
-            "event_id": outcome.event_id,
-        }
-        try:
-            workflow_ids = await self._owners(outcome.node_id)
-            if not workflow_ids and self._node_names is not None:
-                instance = await self._node_names.instance_id(outcome.node_id)
-                if instance and instance != outcome.node_id:
-                    outcome = outcome.model_copy(update={"node_id": instance})
-                    fields["node_id"] = f"{instance} (node {fields['node_id']})"
-                    workflow_ids = await self._owners(instance)
-            if not workflow_ids:
-                _log(logging.INFO, "unknown_instance", **fields)
-            signalled = [w for w in workflow_ids if await self._signal(w, signal, outcome)]
-        except RPCError as e:
-            self._metrics.inc("spotrain_webhook_temporal_errors_total")
-            _log(logging.WARNING, "temporal_unavailable", status=e.status.name, **fields)
-            raise TemporalUnavailable(e.status.name) from None
-        for workflow_id in signalled:
-            self._metrics.inc("spotrain_webhook_signals_total", signal=signal)
-            self._metrics.observe(time.perf_counter() - started)
-            _log(logging.INFO, "signalled", signal=signal, workflow_id=workflow_id, **fields)
-        return signalled
-
-    async def _owners(self, node_id: str) -> list[str]:
-        """Node ids are validated to a quote-free charset, so they embed safely."""
-        query = f"{attributes.NODE_IDS.name} = '{node_id}' AND ExecutionStatus = 'Running'"
-        req = ListWorkflowExecutionsRequest(
-            namespace=self._client.namespace, query=query, page_size=100
-        )
-        resp = await self._rpc(self._client.workflow_service.list_workflow_executions, req)
-        return sorted({e.execution.workflow_id for e in resp.executions})
-
-    async def _signal(
-        self, workflow_id: str, signal: str, payload: ReclaimNotice | NodeLost
-    ) -> bool:
-        """The raw call lets the request id derive from the event id, so Temporal itself drops
-        a duplicate sent to the same run. False if the run ended meanwhile."""
-        dedupe = f"spotrain:{signal}:{workflow_id}:{payload.event_id}"
-        req = SignalWorkflowExecutionRequest(
-            namespace=self._client.namespace,
-            workflow_execution=WorkflowExecution(workflow_id=workflow_id),
-            signal_name=signal,
-            identity=self._client.identity,
-            request_id=str(uuid.uuid5(uuid.NAMESPACE_URL, dedupe)),
-        )
-        req.input.payloads.extend(await self._client.data_converter.encode([payload]))
-        try:
-            await self._rpc(self._client.workflow_service.signal_workflow_execution, req)
-        except RPCError as e:
-            if e.status == RPCStatusCode.NOT_FOUND:
-                return False
-            raise
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        fields: dict[str, Any] = {"event": "http_error" if exc else "http_debug"}
+        if exc is not None:
+            fields["error"] = type(exc).__name__
+            code = getattr(exc, "code", None)
+            if isinstance(code, int):
+                fields["status"] = code
+        record.msg, record.args = json.dumps(fields), ()
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True
 
-    async def _rpc(self, call: Callable[..., Awaitable[Any]], req: Any) -> Any:
-        """One Temporal call, retried only after RESOURCE_EXHAUSTED (see BUSY_RETRY_PAUSES_S).
-        A repeated signal is harmless: its request id drops the duplicate."""
-        for pause in BUSY_RETRY_PAUSES_S:
-            try:
-                return await call(req, retry=False, timeout=self._timeout)
-            except RPCError as e:
-                if e.status != RPCStatusCode.RESOURCE_EXHAUSTED:
-                    raise
-            await asyncio.sleep(pause)
-        return await call(req, retry=False, timeout=self._timeout)
+
+http_log.addFilter(_OnlyErrorTypes())
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its body arrived: its own doing, not ours."""
 
 
 # --- queue mode ------------------------------------------------------------------------------
@@ -286,7 +187,7 @@ class SqsPoller:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # SQS unreachable: keep polling, never die
-                _log(logging.WARNING, "sqs_error", error=type(e).__name__)
+                log_event(logging.WARNING, "sqs_error", error=type(e).__name__)
                 await asyncio.sleep(1)
 
     async def poll_once(self) -> int:
@@ -314,7 +215,8 @@ class SqsPoller:
                 ReceiptHandle=message["ReceiptHandle"],
             )
         except Exception as e:
-            _log(logging.ERROR, "sqs_message_failed", message_id=message_id, error=repr(e)[:200])
+            error = repr(e)[:200]
+            log_event(logging.ERROR, "sqs_message_failed", message_id=message_id, error=error)
             return False
         return True
 
@@ -325,7 +227,7 @@ class SqsPoller:
         try:
             outcomes = parse_aws(decode_json(body))
         except (MalformedJSON, SchemaError) as e:
-            _log(logging.WARNING, "sqs_dropped", message_id=message_id, error=str(e)[:200])
+            log_event(logging.WARNING, "sqs_dropped", message_id=message_id, error=str(e)[:200])
             return True
         try:
             for outcome in outcomes:
@@ -346,7 +248,7 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
 
 def _unavailable(message: str, reason: str) -> web.Response:
     """503: the sender retries (after Retry-After); the log says why."""
-    _log(logging.WARNING, "unavailable", error=message, reason=reason[:300])
+    log_event(logging.WARNING, "unavailable", error=message, reason=reason[:300])
     return web.json_response({"error": message}, status=503, headers={"Retry-After": "1"})
 
 
@@ -370,7 +272,14 @@ class WebhookService:
         self.metrics = Metrics()
         if node_names is None and config.kube_nodes:
             node_names = NodeNames()
-        self.dispatcher = Dispatcher(client, self.metrics, config.rpc_timeout_s, node_names)
+        self.dispatcher = Dispatcher(
+            client,
+            self.metrics,
+            config.rpc_timeout_s,
+            node_names,
+            owner_cache_ttl_s=config.owner_cache_ttl_s,
+            busy_retry_s=config.busy_retry_s,
+        )
         self._http_get = http_get or self._aiohttp_get
         self._sns = SnsVerifier(
             config.auth.sns_topic_arns,
@@ -396,7 +305,17 @@ class WebhookService:
 
     async def start(self) -> int:
         """Listen (port 0 picks a free one) and start the poller; returns the port."""
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # keepalive_timeout runs from the connection's start and from each answer, and closes
+        # the connection when no complete request head has arrived by then (aiohttp's own
+        # idle check): the header read timeout. Lingering (reading what a client still sends
+        # after an early answer) is kept to the body timeout.
+        self._runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            logger=http_log,
+            keepalive_timeout=self.config.header_timeout_s,
+            lingering_time=min(self.config.body_timeout_s, 10.0),
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -413,9 +332,15 @@ class WebhookService:
                 self.config.visibility_timeout_s,
             )
             self._poller = asyncio.create_task(poller.run())
+        if self.config.auth.hmac_legacy:
+            detail = "body-only HMAC signatures are accepted; the setting goes in the next release"
+            log_event(
+                logging.WARNING, "deprecated", setting="SPOTRAIN_WEBHOOK_HMAC_LEGACY", detail=detail
+            )
         if not (self.config.auth.bearer_token or self.config.auth.hmac_secret):
-            _log(logging.WARNING, "no_http_auth", detail="only SNS/SQS input will be accepted")
-        _log(logging.INFO, "listening", host=self.config.host, port=port)
+            detail = "only SNS/SQS input will be accepted"
+            log_event(logging.WARNING, "no_http_auth", detail=detail)
+        log_event(logging.INFO, "listening", host=self.config.host, port=port)
         return port
 
     async def stop(self) -> None:
@@ -430,12 +355,17 @@ class WebhookService:
     async def _count(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Requests by route and status; anything unexpected is a logged 500, never a crash."""
+        """Requests by route and status; anything unexpected is a logged 500, never a crash. A
+        client that hangs up is counted as 499 and logged without a traceback: not our fault."""
         try:
             response = await handler(request)
         except web.HTTPException as e:  # 404, 405, 413 ...
             self._count_request(request, e.status)
             raise
+        except ClientGone as e:
+            log_event(logging.INFO, "client_closed", path=request.path, error=str(e))
+            self._count_request(request, CLIENT_CLOSED)
+            raise ConnectionResetError from None  # aiohttp drops the connection quietly
         except Exception:
             log.exception(json.dumps({"event": "internal_error", "path": request.path}))
             response = _error(500, "internal error")
@@ -459,8 +389,17 @@ class WebhookService:
         self, request: web.Request, parse: Parser, source: str, allow_sns: bool
     ) -> web.Response:
         started = time.perf_counter()
-        body = await request.read()  # over client_max_size: 413
-        trusted = check_headers(self.config.auth, request.headers, body)
+        try:
+            body = await self._read(request)
+        except TimeoutError:
+            log_event(logging.INFO, "body_timeout", path=request.path)
+            response = _error(408, "request body not received in time")
+            response.force_close()
+            return response
+        auth = self.config.auth
+        trusted = check_headers(auth, request.method, request.raw_path, request.headers, body)
+        if trusted == "hmac-legacy":
+            self.metrics.inc("spotrain_webhook_legacy_signatures_total")
         if not (trusted or allow_sns):
             return _error(401, "unauthenticated")
         try:
@@ -473,7 +412,7 @@ class WebhookService:
             try:
                 await self._sns.verify(obj)
             except SnsRejected as e:
-                _log(logging.WARNING, "sns_rejected", reason=str(e))
+                log_event(logging.WARNING, "sns_rejected", reason=str(e))
                 return _error(401, "unauthenticated")
             except SnsUnavailable as e:
                 return _unavailable("SNS certificate unavailable", str(e))
@@ -497,6 +436,14 @@ class WebhookService:
             return web.json_response({"status": "unknown_instance"}, status=202)
         return web.json_response({"status": "signalled", "workflow_ids": sorted(workflow_ids)})
 
+    async def _read(self, request: web.Request) -> bytes:
+        """The body within the body timeout (TimeoutError); over client_max_size: 413."""
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except ConnectionError as e:
+            raise ClientGone(type(e).__name__) from None
+
     async def _confirm(self, message: Mapping[str, Any]) -> web.Response:
         url = message.get("SubscribeURL")
         if not is_sns_url(url, sns_host(message.get("TopicArn"))):
@@ -505,7 +452,7 @@ class WebhookService:
             await self._http_get(url)
         except (aiohttp.ClientError, TimeoutError) as e:
             return _unavailable("SNS unreachable", f"{type(e).__name__} {e}")
-        _log(logging.INFO, "sns_subscribed", topic=message.get("TopicArn"))
+        log_event(logging.INFO, "sns_subscribed", topic=message.get("TopicArn"))
         return web.json_response({"status": "subscribed"})
 
     async def _aiohttp_get(self, url: str) -> bytes:
@@ -556,7 +503,10 @@ def main(argv: list[str] | None = None) -> None:
         "Configured by environment: SPOTRAIN_WEBHOOK_PORT (8080), SPOTRAIN_WEBHOOK_HOST, "
         "SPOTRAIN_WEBHOOK_TOKEN[_FILE], SPOTRAIN_WEBHOOK_HMAC_SECRET[_FILE], "
         "SPOTRAIN_WEBHOOK_SNS_TOPIC_ARNS, SPOTRAIN_WEBHOOK_QUEUE_URL (SQS mode), "
-        "SPOTRAIN_WEBHOOK_KUBE_NODES=1 (resolve node names through the Kubernetes API); Temporal: "
+        "SPOTRAIN_WEBHOOK_KUBE_NODES=1 (resolve node names through the Kubernetes API), "
+        "SPOTRAIN_WEBHOOK_HEADER_TIMEOUT_S and _BODY_TIMEOUT_S (10), "
+        "SPOTRAIN_WEBHOOK_OWNER_CACHE_TTL_S (10), SPOTRAIN_WEBHOOK_BUSY_RETRY_S (4), "
+        "SPOTRAIN_WEBHOOK_HMAC_LEGACY=1 (deprecated); Temporal: "
         "TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_TLS_*, TEMPORAL_PROFILE "
         "(docs/security.md). See docs/webhook.md.",
     ).parse_args(argv)

@@ -1,5 +1,6 @@
-"""Who may send reclaim notices: a bearer token, an HMAC signature over the body, or (for
-AWS SNS) the message's own signature from an allow-listed topic.
+"""Who may send reclaim notices: a bearer token, an HMAC signature over the request (method,
+path, timestamp and body), or (for AWS SNS) the message's own signature from an allow-listed
+topic.
 
 A forged notice would make a job checkpoint and shrink for nothing, so every request must pass
 one of these before its body is parsed as an event (for SNS only the envelope is read first, to
@@ -35,6 +36,9 @@ SIGNATURE_HEADER = "X-Spotrain-Signature"
 
 # A timestamp header is ASCII digits, at most 15 of them: anything else is simply not valid.
 UNIX_SECONDS = re.compile(r"[0-9]{1,15}")
+# How far ahead of this host's clock a signed timestamp may be (clock skew). More would let a
+# captured request live on past the replay window.
+HMAC_FUTURE_SKEW_S = 60.0
 
 
 def _secret(env: Mapping[str, str], name: str) -> str | None:
@@ -51,6 +55,7 @@ class AuthConfig:
     bearer_token: str | None = field(default=None, repr=False)
     hmac_secret: str | None = field(default=None, repr=False)
     replay_window_s: float = 300.0
+    hmac_legacy: bool = False  # also accept the body-only form (deprecated, for one release)
     sns_topic_arns: frozenset[str] = frozenset()
     sns_max_age_s: float = 3600.0
     sns_ca_file: str = field(default_factory=certifi.where)
@@ -62,17 +67,37 @@ class AuthConfig:
             bearer_token=_secret(env, "SPOTRAIN_WEBHOOK_TOKEN"),
             hmac_secret=_secret(env, "SPOTRAIN_WEBHOOK_HMAC_SECRET"),
             replay_window_s=float(env.get("SPOTRAIN_WEBHOOK_REPLAY_WINDOW_S", "300")),
+            hmac_legacy=env.get("SPOTRAIN_WEBHOOK_HMAC_LEGACY", "") not in ("", "0", "false"),
             sns_topic_arns=frozenset(t.strip() for t in topics.split(",") if t.strip()),
             sns_max_age_s=float(env.get("SPOTRAIN_WEBHOOK_SNS_MAX_AGE_S", "3600")),
             sns_ca_file=env.get("SPOTRAIN_WEBHOOK_SNS_CA_FILE") or certifi.where(),
         )
 
 
-def hmac_headers(secret: str, body: bytes, now: float | None = None) -> dict[str, str]:
-    """What a sender (e.g. `spotrain reclaim`) adds: sha256 HMAC over `<timestamp>.<body>`."""
+def string_to_sign(timestamp: str, method: str, path: str, body: bytes) -> bytes:
+    """`v2`, the timestamp, the method and the path (as sent, query included) on lines of
+    their own, then the body: a signed notice is good for one endpoint only."""
+    return f"v2\n{timestamp}\n{method.upper()}\n{path}\n".encode() + body
+
+
+def legacy_string_to_sign(timestamp: str, body: bytes) -> bytes:
+    """The deprecated form, `<timestamp>.<body>`: it binds no endpoint."""
+    return timestamp.encode() + b"." + body
+
+
+def _sign(secret: str, message: bytes) -> str:
+    return "sha256=" + hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def hmac_headers(
+    secret: str, body: bytes, method: str, path: str, now: float | None = None
+) -> dict[str, str]:
+    """What a sender (e.g. `spotrain reclaim`) adds: sha256 HMAC of `string_to_sign`."""
     ts = str(int(time.time() if now is None else now))
-    digest = hmac.new(secret.encode(), ts.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return {TIMESTAMP_HEADER: ts, SIGNATURE_HEADER: f"sha256={digest}"}
+    return {
+        TIMESTAMP_HEADER: ts,
+        SIGNATURE_HEADER: _sign(secret, string_to_sign(ts, method, path, body)),
+    }
 
 
 def _bytes(text: str) -> bytes:
@@ -80,18 +105,31 @@ def _bytes(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def check_headers(config: AuthConfig, headers: Mapping[str, str], body: bytes) -> bool:
-    """A valid bearer token, or a valid HMAC signature made within the replay window."""
+def check_headers(
+    config: AuthConfig, method: str, path: str, headers: Mapping[str, str], body: bytes
+) -> str | None:
+    """How the request is authenticated (`bearer`, `hmac`, `hmac-legacy`), or None: a valid
+    bearer token, or a valid HMAC signature whose timestamp is at most the replay window old
+    and at most HMAC_FUTURE_SKEW_S ahead."""
     auth = headers.get("Authorization", "")
     if config.bearer_token and auth.startswith("Bearer "):
-        return hmac.compare_digest(_bytes(auth[7:]), _bytes(config.bearer_token))
+        ok = hmac.compare_digest(_bytes(auth[7:]), _bytes(config.bearer_token))
+        return "bearer" if ok else None
     ts, signature = headers.get(TIMESTAMP_HEADER, ""), headers.get(SIGNATURE_HEADER, "")
     if not (config.hmac_secret and UNIX_SECONDS.fullmatch(ts) and signature):
-        return False
-    if abs(time.time() - int(ts)) > config.replay_window_s:
-        return False
-    expected = hmac_headers(config.hmac_secret, body, now=int(ts))[SIGNATURE_HEADER]
-    return hmac.compare_digest(_bytes(signature), expected.encode())
+        return None
+    age = time.time() - int(ts)
+    if not -HMAC_FUTURE_SKEW_S <= age <= config.replay_window_s:
+        return None
+    given = _bytes(signature)
+    expected = _sign(config.hmac_secret, string_to_sign(ts, method, path, body))
+    if hmac.compare_digest(given, expected.encode()):
+        return "hmac"
+    if config.hmac_legacy:
+        legacy = _sign(config.hmac_secret, legacy_string_to_sign(ts, body))
+        if hmac.compare_digest(given, legacy.encode()):
+            return "hmac-legacy"
+    return None
 
 
 # --- SNS message signatures ------------------------------------------------------------------
