@@ -1,7 +1,7 @@
 """Training pause per resize, restart mode vs live mode, side by side in one run.
 
     .venv/bin/python -m bench.live_resize [--reclaims 20] [--losses 20] [--step-time 0.02]
-        [--runtime local|kubernetes]
+        [--runtime local|kubernetes] [--params 100 --step-time 0 --settle-steps 3]
 
 The whole path as a user runs it: the real TrainingJob workflow on the Temporal dev server,
 the simulated cloud (always capacity) and the rank runtime starting real PyTorch DDP ranks
@@ -19,6 +19,11 @@ and has trained a few steps.
 - steps lost per loss without notice: steps the ranks had done in the generation beyond
   where the next one resumed (restart mode: back to the last periodic checkpoint, every
   `--ckpt-every` steps; live mode: at most the step in flight).
+- `--params N`: a model of about N million parameters (the state: 8 bytes a parameter, model
+  and momentum). A pause includes the first step after the resize: the step time is
+  reported beside it. Live mode also times, after each hand-over, a raw `dist.broadcast` of
+  the same tensors on the same group (the limit), and reports the notice's checkpoint: how
+  long it blocked training, and how long after the notice it was durable.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
+from spotrain.elastic.job_store import JobStore
 from spotrain.workers.stack import port_block
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
@@ -236,7 +242,8 @@ async def run_mode(
             finally:
                 await handle.cancel()
                 runtime.cleanup_job(CleanupRequest(job=name))
-    return pauses(timeline, record)
+    notices = [c for c in JobStore(spec["checkpoint"]).checkpoints() if c["kind"] == "notice"]
+    return pauses(timeline, record) | {"notice_checkpoints": notices}
 
 
 async def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -259,6 +266,14 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
         rows.append({"kind": "steps lost per loss", "mode": mode, **summary(lost)})
     for mode in measured:  # the pauses above include one such step
         rows.append({"kind": "step (for scale)", "mode": mode, **summary(measured[mode]["step_s"])})
+    for mode in measured:  # the notice's checkpoint: training blocked, and durable after
+        notices = measured[mode].get("notice_checkpoints", [])
+        blocked = summary([c["blocked_s"] for c in notices])
+        rows.append({"kind": "notice checkpoint: blocked", "mode": mode, **blocked})
+        if after := [c["after_notice_s"] for c in notices if "after_notice_s" in c]:
+            rows.append(
+                {"kind": "notice checkpoint: durable after", "mode": mode, **summary(after)}
+            )
     handovers = measured.get("live", {}).get("handovers", [])
     if handovers:  # the joiner's hand-over beside a raw broadcast of the same tensors
         took = summary([h["handover_s"] for h in handovers])

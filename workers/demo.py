@@ -58,13 +58,16 @@ def demo_spec(
         if s3
         else f"file://{state_dir / 'checkpoints' / spec['name']}"
     )
-    spec["elastic"].update(progress_report_interval_s=1, capacity_check_interval_s=10)
+    # (a short scaling timeout: the job grows back onto the replacements within the demo)
+    spec["elastic"].update(
+        progress_report_interval_s=1, capacity_check_interval_s=10, scaling_timeout_s=3
+    )
     return spec
 
 
 @dataclass
 class Script:
-    """When to reclaim what: one node with notice at 30%, another without at 65%, each once
+    """When to reclaim what: one node with notice at 30%, another without at 55%, each once
     the job runs at full size and has trained a few steps in that generation (not while its
     ranks are still meeting)."""
 
@@ -79,7 +82,7 @@ class Script:
             return None
         if not self.done and s.step >= 0.3 * self.total:
             return ranked[1].node_id or "", 20.0
-        if len(self.done) == 1 and s.step >= 0.65 * self.total:
+        if len(self.done) == 1 and s.step >= 0.55 * self.total:
             return ranked[2].node_id or "", None
         return None
 

@@ -119,18 +119,15 @@ def transfer(
     others = list(others)
     model_tensors = list(model.state_dict().values())
     device = model_tensors[0].device if model_tensors else torch.device("cpu")
-    skeleton = [_skeleton(optim, others, who.step) if rank == who.sources[0] else None]
+    giving = rank in who.sources
+    skeleton = [_skeleton(optim, others) if rank == who.sources[0] else None]
     dist.broadcast_object_list(skeleton, src=who.sources[0])
-    skel = skeleton[0]
-    assert skel is not None
-    if rank in who.sources:
-        tensors = model_tensors + _optim_tensors(optim.state_dict()["state"], skel["state"])
-    elif rank in who.takers:
-        optim_state = _allocate(skel["state"], device)
-        tensors = model_tensors + _optim_tensors(optim_state, skel["state"])
+    skel: dict[str, Any] = skeleton[0]  # type: ignore[assignment]
+    optim_state = optim.state_dict()["state"] if giving else _allocate(skel["state"], device)
+    tensors = model_tensors + _optim_tensors(optim_state, skel["state"])
     sizes = [t.numel() * t.element_size() for t in tensors]
     cut = buckets(sizes, BUCKET_BYTES)
-    if rank in who.sources:
+    if giving:
         mine = [b for b in range(len(cut)) if who.sources[b % len(who.sources)] == rank]
         _send(tensors, cut, mine, who.takers, device)
         last.sent = sum(sizes[i] for b in mine for i in cut[b]) * len(who.takers)
@@ -145,7 +142,7 @@ def transfer(
     return who.step
 
 
-def _skeleton(optim: torch.optim.Optimizer, others: list[Stateful], step: int) -> dict[str, Any]:
+def _skeleton(optim: torch.optim.Optimizer, others: list[Stateful]) -> dict[str, Any]:
     """The source's small rest: optimizer state with tensors as specs, groups, others."""
     sd = optim.state_dict()
     state = {
@@ -161,7 +158,6 @@ def _skeleton(optim: torch.optim.Optimizer, others: list[Stateful], step: int) -
         "state": state,
         "param_groups": sd["param_groups"],
         "others": [obj.state_dict() for obj in others],
-        "step": step,
     }
 
 
