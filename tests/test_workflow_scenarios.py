@@ -341,7 +341,8 @@ async def test_stall_is_a_fault(dev_env: WorkflowEnvironment) -> None:
 async def test_max_restarts_exceeded_fails_with_reason(dev_env: WorkflowEnvironment) -> None:
     runtime = fast_runtime(restart_cost_s=5)  # restarts never get far enough to checkpoint
     async with simulated(dev_env.client, runtime=runtime) as sim:
-        handle = await sim.start(fast_spec(elastic={"max_restarts": 2}))
+        # (no stall watchdog: under load it could end a generation before the injected fault)
+        handle = await sim.start(fast_spec(elastic={"max_restarts": 2, "stall_timeout_s": 600}))
         for generation in range(1, 5):
             await until(
                 sim, handle, lambda s, g=generation: s.generation >= g or s.phase == "Failed"
