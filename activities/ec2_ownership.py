@@ -80,18 +80,21 @@ class Orphan:
     launched: datetime
 
 
-def find_orphans(ec2: Any, is_job_running: Callable[[str], bool]) -> list[Orphan]:
+def find_orphans(
+    ec2: Any, is_job_running: Callable[[str], bool], job: str | None = None
+) -> list[Orphan]:
     """Live spotrain instances whose job is closed or unknown (`is_job_running` False), or that
-    name no job. `is_job_running` is asked once per job; if it raises, nothing is reaped."""
+    name no job; only `job`'s when it is given. `is_job_running` is asked once per job; if it
+    raises, nothing is reaped."""
     running: dict[str, bool] = {}
     orphans = []
-    for i in find_instances(
-        ec2,
-        [
-            {"Name": f"tag:{MANAGED}", "Values": ["true"]},
-            {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
-        ],
-    ):
+    filters = [
+        {"Name": f"tag:{MANAGED}", "Values": ["true"]},
+        {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+    ]
+    if job is not None:
+        filters.append({"Name": f"tag:{TAG_JOB}", "Values": [job]})
+    for i in find_instances(ec2, filters):
         job = tags_of(i).get(TAG_JOB, "")
         if job and job not in running:
             running[job] = is_job_running(job)
@@ -109,10 +112,12 @@ def find_orphans(ec2: Any, is_job_running: Callable[[str], bool]) -> list[Orphan
     return orphans
 
 
-def reap(ec2: Any, is_job_running: Callable[[str], bool], apply: bool = False) -> list[Orphan]:
-    """Find orphans and, only when `apply`, terminate them. Returns what was (or would be)
-    reaped; the default is a dry run that changes nothing."""
-    orphans = find_orphans(ec2, is_job_running)
+def reap(
+    ec2: Any, is_job_running: Callable[[str], bool], apply: bool = False, job: str | None = None
+) -> list[Orphan]:
+    """Find orphans (of `job` only, when given) and, only when `apply`, terminate them. Returns
+    what was (or would be) reaped; the default is a dry run that changes nothing."""
+    orphans = find_orphans(ec2, is_job_running, job)
     ids = [o.instance_id for o in orphans]
     if apply:
         for start in range(0, len(ids), 500):

@@ -175,7 +175,9 @@ async def test_steer_a_running_job(cli: Cli, tmp_path: Path) -> None:
         "cost",
         "task_queue",
         "started",
+        "stuck",
     }
+    assert row["stuck"] is None
     rows = (await cli("list", "--phase", "Paused", "--json")).json()
     assert name not in [x["name"] for x in rows]
 

@@ -40,6 +40,7 @@ from spotrain.activities.ec2_ownership import (
     LIVE_STATES,
     client_token,
     find_instances,
+    find_orphans,
     reap,
     tags_of,
 )
@@ -242,6 +243,17 @@ def test_fleet_launch_offers_every_pool_tags_and_is_idempotent(
         Filters=[{"Name": "attachment.instance-id", "Values": [node.node_id]}]
     )["Volumes"]
     assert volumes and all(owner.items() <= tags_of(v).items() for v in volumes)
+    # `spotrain gc` and `release` find a fleet's node by the same tags as any other.
+    found = find_orphans(fleet.client(), lambda _: False, job)
+    assert [o.instance_id for o in found] == [node.node_id]
+
+
+def test_the_client_token_is_stable_per_attempt_and_new_per_attempt() -> None:
+    """A retried launch call must not buy twice; a new attempt (the first one's node failed)
+    must not be answered with the old instance."""
+    assert client_token("job", 3, 0) == client_token("job", 3, 0)
+    tokens = {client_token(j, s, a) for j, s, a in [("job", 3, 0), ("job", 3, 1), ("job", 4, 0)]}
+    assert len(tokens) == 3 and all(len(t) <= 64 for t in tokens)
 
 
 def test_fleet_that_launches_nothing_is_a_capacity_error(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from temporalio.service import RPCError
 
-from spotrain.workers.cli_housekeeping import cmd_gc, cmd_logs
+from spotrain.workers.cli_housekeeping import cmd_gc, cmd_logs, cmd_release
 from spotrain.workers.cli_jobs import (
     cmd_budget,
     cmd_cancel,
@@ -230,6 +230,22 @@ def parser() -> argparse.ArgumentParser:
         help="a root holding jobs' stores (<URI>/<job>/...): also reap those of jobs Temporal "
         "no longer knows; repeat for more",
     )
+    c.add_argument("--json", action="store_true")
+
+    c = named(
+        "release",
+        cmd_release,
+        "for a STUCK job (its workflow task keeps failing): terminate it and release what it "
+        "owns by its ownership tags (EC2 instances in each region, local rank processes); "
+        "safe to repeat",
+        "  spotrain release my-job\n  spotrain release my-job --region us-east-1 --region "
+        "us-west-2 --json",
+    )
+    c.add_argument(
+        "--force", action="store_true", help="a job that is not stuck too (no checkpoint first)"
+    )
+    c.add_argument("--region", action="append", help="a region to search; repeat for more")
+    c.add_argument("--state-dir", type=Path, help="local runtime's (default ~/.spotrain)")
     c.add_argument("--json", action="store_true")
 
     c = named(

@@ -1,6 +1,6 @@
-"""`spotrain gc` and `spotrain logs`: commands that look past Temporal at what jobs leave
-behind (EC2 instances, local rank processes, checkpoints, and the local runtime's rank logs).
-The provider and runtime they need are imported only when they run.
+"""`spotrain gc`, `spotrain release` and `spotrain logs`: commands that look past Temporal at
+what jobs leave behind (EC2 instances, local rank processes, checkpoints, and the local
+runtime's rank logs). The provider and runtime they need are imported only when they run.
 """
 
 from __future__ import annotations
@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
 from rich.table import Table
-from temporalio.service import RPCError
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.workers.cli_support import (
     OK,
+    RPC_TIMEOUT,
     USAGE,
     CliError,
     client,
@@ -22,10 +25,46 @@ from spotrain.workers.cli_support import (
     out,
     rpc_error,
     runs,
+    stuck,
 )
 
+if TYPE_CHECKING:
+    from spotrain.activities.ec2_ownership import Orphan
+
+RELEASED = "spotrain release: the workflow task kept failing; its nodes were released by tag"
+
+
+def need_aws() -> None:
+    """Fail before anything changes: else a botocore traceback after a half-done command."""
+    import boto3
+
+    if boto3.session.Session().get_credentials() is None:
+        raise CliError(NO_AWS, USAGE)
+
+
+def instance_rows(instances: list[Orphan]) -> list[dict[str, str]]:
+    return [
+        {
+            "instance_id": o.instance_id,
+            "job": o.job,
+            "state": o.state,
+            "instance_type": o.instance_type,
+            "zone": o.zone,
+            "launched": o.launched.isoformat(),
+        }
+        for o in instances
+    ]
+
+
+def instance_table(rows: list[dict[str, str]], title: str) -> Table:
+    table = Table("instance", "job", "state", "type", "zone", "launched", title=title)
+    for r in rows:
+        table.add_row(*r.values())
+    return table
+
+
 NO_AWS = (
-    "spotrain gc searches EC2 and finds no AWS credentials: set AWS_ACCESS_KEY_ID and "
+    "spotrain gc and release search EC2 and find no AWS credentials: set AWS_ACCESS_KEY_ID and "
     "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and AWS_REGION; against `spotrain dev`, "
     "SPOTRAIN_EC2_ENDPOINT=http://127.0.0.1:5000 (its moto) with any keys"
 )
@@ -35,7 +74,6 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     """What terminated jobs left: EC2 instances (by their tags) and the local runtime's rank
     processes (by its state dir). A job counts as running unless Temporal says otherwise, and
     an unreachable Temporal stops gc before anything is reaped."""
-    import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
     from spotrain.activities.ec2 import EC2Provider
@@ -44,8 +82,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     from spotrain.elastic.job_store import reap_checkpoints
     from spotrain.workers.worker import DEFAULT_STATE_DIR
 
-    if boto3.session.Session().get_credentials() is None:  # else a botocore traceback
-        raise CliError(NO_AWS, USAGE)
+    need_aws()
     c = await client()
     loop = asyncio.get_running_loop()
 
@@ -74,17 +111,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
         raise rpc_error(e, None) from None
     except (BotoCoreError, ClientError) as e:
         raise CliError(f"EC2 at {provider.endpoint_url or 'AWS'}: {e}") from None
-    rows = [
-        {
-            "instance_id": o.instance_id,
-            "job": o.job,
-            "state": o.state,
-            "instance_type": o.instance_type,
-            "zone": o.zone,
-            "launched": o.launched.isoformat(),
-        }
-        for o in orphans
-    ]
+    rows = instance_rows(orphans)
     procs = [{"job": job, "pids": pids} for job, pids in processes.items()]
     if args.json:
         emit_json(
@@ -92,16 +119,74 @@ async def cmd_gc(args: argparse.Namespace) -> int:
         )
         return OK
     title = "terminated" if args.apply else "orphans (dry run: --apply to reap)"
-    table = Table("instance", "job", "state", "type", "zone", "launched", title=title)
-    for r in rows:
-        table.add_row(*(str(v) for v in r.values()))
-    out.print(table if rows else "no orphaned instances")
+    out.print(instance_table(rows, title) if rows else "no orphaned instances")
     for p in procs:
         pids = ", ".join(map(str, p["pids"]))
         out.print(f"{'killed' if args.apply else 'orphaned'} rank processes of {p['job']}: {pids}")
     for root, jobs in checkpoints.items():
         what = "deleted" if args.apply else "checkpoints of jobs Temporal no longer knows"
         out.print(f"{root}: {what}: {', '.join(jobs) or 'none'}")
+    return OK
+
+
+async def cmd_release(args: argparse.Namespace) -> int:
+    """For a job whose workflow is wedged (it cannot run its own cleanup): terminate the
+    workflow, then release what the job owns by its ownership tags, whatever Temporal says.
+    Terminating first means a workflow that comes unstuck cannot order nodes again. Safe to
+    run again: each step finds what is left and says what it did."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from spotrain.activities.ec2 import EC2Provider
+    from spotrain.activities.ec2_ownership import reap
+    from spotrain.activities.local import LocalRuntime
+    from spotrain.workers.worker import DEFAULT_STATE_DIR
+
+    need_aws()
+    c = await client()
+    handle = c.get_workflow_handle(args.name)
+    try:
+        description = await handle.describe(rpc_timeout=RPC_TIMEOUT)
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise rpc_error(e, args.name) from None
+        workflow = "unknown to Temporal"
+    else:
+        workflow = "already closed"
+        if description.status == WorkflowExecutionStatus.RUNNING:
+            if not args.force and await stuck(c, description) is None:
+                raise CliError(
+                    f"{args.name} is running and not stuck: `spotrain cancel {args.name}` "
+                    "stops it with its own cleanup (checkpoint first); --force releases it "
+                    "anyway",
+                    USAGE,
+                )
+            await handle.terminate(reason=RELEASED, rpc_timeout=RPC_TIMEOUT)
+            workflow = "terminated"
+    provider = EC2Provider.from_env()
+    try:  # the workflow is closed now: every live instance tagged with the job goes
+        released = [
+            instance
+            for region in args.region or [provider.region]
+            for instance in await asyncio.to_thread(
+                reap, provider.client(region), lambda _: False, True, args.name
+            )
+        ]
+    except (BotoCoreError, ClientError) as e:
+        raise CliError(f"EC2 at {provider.endpoint_url or 'AWS'}: {e}") from None
+    local = LocalRuntime(args.state_dir or DEFAULT_STATE_DIR)
+    pids = (await asyncio.to_thread(local.reap, lambda job: job != args.name, True)).get(
+        args.name, []
+    )
+    rows = instance_rows(released)
+    if args.json:
+        emit_json({"job": args.name, "workflow": workflow, "instances": rows, "pids": pids})
+        return OK
+    out.print(f"{args.name}: workflow {workflow}")
+    out.print(
+        instance_table(rows, "terminated") if rows else f"no live instances tagged {args.name}"
+    )
+    killed = ", ".join(map(str, pids))
+    out.print(f"killed rank processes: {killed}" if pids else "no rank processes")
     return OK
 
 

@@ -8,12 +8,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from rich.console import Console
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.failure.v1 import Failure
+from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
 from temporalio.client import (
     Client,
+    WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -29,6 +34,7 @@ from spotrain.workflows.state import JobResult, JobStatus, TimelineEntry
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 JOB_FAILED = "JobFailed"  # the workflow's failure type; details[0] is the JobResult
 RPC_TIMEOUT = timedelta(seconds=15)
+STUCK_ATTEMPT = 2  # the workflow task failed (or timed out) at least once and is retried
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -76,9 +82,11 @@ async def job(args: argparse.Namespace) -> WorkflowHandle[Any, Any]:
     return (await client()).get_workflow_handle(args.name, result_type=JobResult)
 
 
-async def query_status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
+async def query_status(
+    handle: WorkflowHandle[Any, Any], timeout: timedelta = RPC_TIMEOUT
+) -> JobStatus:
     try:
-        return await handle.query("status", result_type=JobStatus, rpc_timeout=RPC_TIMEOUT)
+        return await handle.query("status", result_type=JobStatus, rpc_timeout=timeout)
     except WorkflowQueryFailedError as e:
         raise CliError(f"job {handle.id!r} cannot answer `status`: {e.message}") from None
 
@@ -130,3 +138,64 @@ async def full_status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
         "timeline", result_type=list[TimelineEntry], rpc_timeout=RPC_TIMEOUT
     )
     return status.model_copy(update={"timeline": timeline})
+
+
+# --- stuck jobs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A running job whose workflow task keeps failing: the workflow cannot move, answer
+    queries or run its own cleanup, while it may still hold nodes."""
+
+    attempt: int
+    since: datetime | None
+    error: str
+
+    def line(self, name: str) -> str:
+        since = f" since {self.since:%Y-%m-%d %H:%M:%S} UTC" if self.since else ""
+        return (
+            f"{name} is STUCK: its workflow task fails and is retried (attempt {self.attempt}"
+            f"{since}): {self.error}\n  `spotrain release {name}` terminates it and releases "
+            "its nodes"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "since": self.since, "error": self.error}
+
+
+def failure_text(failure: Failure) -> str:
+    """The failure's message and its causes' on one line (no stack traces)."""
+    parts = []
+    while failure.message and len(parts) < 4:
+        parts.append(failure.message.splitlines()[0])
+        if not failure.HasField("cause"):
+            break
+        failure = failure.cause
+    return ": ".join(parts)[:500] or "no message"
+
+
+async def stuck(c: Client, description: WorkflowExecutionDescription) -> Stuck | None:
+    """Temporal's pending workflow task info says how often the task was tried; the failure is
+    the last workflow task failure recorded (retries after the first are not written to the
+    history, so the newest page of it, read backwards, holds it)."""
+    task = description.raw_description.pending_workflow_task
+    if description.status != WorkflowExecutionStatus.RUNNING or task.attempt < STUCK_ATTEMPT:
+        return None
+    page = await c.workflow_service.get_workflow_execution_history_reverse(
+        GetWorkflowExecutionHistoryReverseRequest(
+            namespace=c.namespace,
+            execution=description.raw_description.workflow_execution_info.execution,
+            maximum_page_size=50,
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    error = "the workflow task timed out"
+    for event in page.history.events:
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
+            error = failure_text(event.workflow_task_failed_event_attributes.failure)
+            break
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT:
+            break
+    since = task.original_scheduled_time
+    return Stuck(task.attempt, since.ToDatetime() if since.seconds else None, error)

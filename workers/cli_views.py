@@ -7,16 +7,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
+from datetime import timedelta
+from typing import Any
 
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.service import RPCError
 
 from spotrain.workers.cli_support import (
     OK,
+    RPC_TIMEOUT,
     USAGE,
     CliError,
+    Stuck,
     build_report,
     client,
     emit_json,
@@ -24,11 +32,15 @@ from spotrain.workers.cli_support import (
     job,
     out,
     query_status,
+    stuck,
 )
 from spotrain.workers.report import PlotUnavailable, plot, print_report, to_html
 from spotrain.workflows import attributes, deadline
 from spotrain.workflows.checkpoints import describe
 from spotrain.workflows.state import JobStatus
+
+STUCK_QUERY_TIMEOUT = timedelta(seconds=5)  # a stuck workflow may not answer at all
+LIST_DESCRIBES = 8  # describe calls in flight at once
 
 
 def status_view(s: JobStatus) -> Group:
@@ -68,8 +80,9 @@ async def cmd_list(args: argparse.Namespace) -> int:
     query = "WorkflowType = 'TrainingJob' AND ExecutionStatus != 'ContinuedAsNew'"
     if args.phase:
         query += f" AND SpotrainPhase = '{args.phase}'"
-    rows = []
-    async for wf in (await client()).list_workflows(query, limit=args.limit):
+    c = await client()
+    rows, running = [], {}
+    async for wf in c.list_workflows(query, limit=args.limit):
         sa = wf.typed_search_attributes
         rows.append(
             {
@@ -82,45 +95,88 @@ async def cmd_list(args: argparse.Namespace) -> int:
                 "cost": sa.get(attributes.COST),
                 "task_queue": wf.task_queue,
                 "started": wf.start_time.isoformat(),
+                "stuck": None,
             }
         )
+        if wf.status == WorkflowExecutionStatus.RUNNING:
+            running[len(rows) - 1] = c.get_workflow_handle(wf.id, run_id=wf.run_id)
+    gate = asyncio.Semaphore(LIST_DESCRIBES)
+
+    async def check(handle: WorkflowHandle[Any, Any]) -> Stuck | None:
+        async with gate:
+            return await stuck(c, await handle.describe(rpc_timeout=RPC_TIMEOUT))
+
+    found = await asyncio.gather(*map(check, running.values()))
+    for i, blocked in zip(running, found, strict=True):
+        rows[i]["stuck"] = blocked
     if args.json:
-        emit_json(rows)
+        emit_json([r | {"stuck": r["stuck"] and r["stuck"].as_json()} for r in rows])
         return OK
     table = Table("name", "phase", "world", "spot", "on-demand", "cost", "started")
     for r in rows:
         cost = r["cost"]
         table.add_row(
             r["name"],
-            r["phase"] or r["status"] or "-",
+            "[red]STUCK[/]" if r["stuck"] else r["phase"] or r["status"] or "-",
             *(str(r[k]) if r[k] is not None else "-" for k in ("world_size", "spot_nodes")),
             str(r["on_demand_nodes"]) if r["on_demand_nodes"] is not None else "-",
             "-" if cost is None else f"${cost:,.2f}",
             r["started"][:19],
         )
     out.print(table if rows else "no jobs" + (f" in phase {args.phase}" if args.phase else ""))
+    for r in rows:
+        if r["stuck"]:
+            out.print(Text(r["stuck"].line(r["name"]), style="red"))
     return OK
 
 
+async def snapshot(
+    c: Client, handle: WorkflowHandle[Any, Any]
+) -> tuple[JobStatus | None, Stuck | None]:
+    """The `status` query and whether the job is stuck; a stuck job may not answer the query,
+    and then its stuck line is all there is to show."""
+    blocked = await stuck(c, await handle.describe(rpc_timeout=RPC_TIMEOUT))
+    if blocked is None:
+        return await query_status(handle), None
+    try:
+        return await query_status(handle, STUCK_QUERY_TIMEOUT), blocked
+    except (CliError, RPCError):
+        return None, blocked
+
+
+def snapshot_view(name: str, s: JobStatus | None, blocked: Stuck | None) -> Group:
+    stuck_line = [Text(blocked.line(name), style="bold red")] if blocked else []
+    return Group(*stuck_line, *([status_view(s)] if s else []))
+
+
+def snapshot_json(name: str, s: JobStatus | None, blocked: Stuck | None) -> dict[str, Any]:
+    body = s.model_dump(mode="json") if s else {"name": name}
+    return body | {"stuck": blocked and blocked.as_json()}
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
-    handle = await job(args)
+    c = await client()
+    handle = c.get_workflow_handle(args.name)
     if not args.watch:
-        s = await query_status(handle)
-        emit_json(s.model_dump(mode="json")) if args.json else out.print(status_view(s))
+        s, blocked = await snapshot(c, handle)
+        if args.json:
+            emit_json(snapshot_json(args.name, s, blocked))
+        else:
+            out.print(snapshot_view(args.name, s, blocked))
         return OK
     if args.json:  # one JSON object per line per poll
         while True:
-            s = await query_status(handle)
-            sys.stdout.write(s.model_dump_json() + "\n")
+            s, blocked = await snapshot(c, handle)
+            sys.stdout.write(json.dumps(snapshot_json(args.name, s, blocked), default=str) + "\n")
             sys.stdout.flush()
-            if s.phase.is_final:
+            if s and s.phase.is_final:
                 return OK
             await asyncio.sleep(args.interval)
     with Live(console=out, auto_refresh=False) as live:
         while True:
-            s = await query_status(handle)
-            live.update(status_view(s), refresh=True)
-            if s.phase.is_final:
+            s, blocked = await snapshot(c, handle)
+            live.update(snapshot_view(args.name, s, blocked), refresh=True)
+            if s and s.phase.is_final:
                 return OK
             await asyncio.sleep(args.interval)
 
