@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,22 @@ async def test_job_on_a_missing_bucket_fails_at_start_with_s3s_message(
     assert "generation 1 failed to start" in str(failure.value.cause)
     assert not list(tmp_path.glob("jobs/*/gen-*/rank-*.pid"))  # no rank was launched
     assert sim.cloud.running() == []
+
+
+def test_an_asynchronous_save_writes_from_a_thread_that_yields_the_cpu(tmp_path: Path) -> None:
+    """A background save's writing thread runs at nice 19 (training's threads keep theirs):
+    on a node whose cores train, it writes in the gaps instead of slowing every step."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from spotrain.elastic import checkpoint
+
+    def write() -> int:
+        writer = checkpoint.storage_writer(str(tmp_path / "ckpt"), background=True)
+        dcp.save({"w": torch.ones(4)}, storage_writer=writer, no_dist=True)
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(write).result() == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
+    assert type(checkpoint.storage_writer(str(tmp_path / "sync"))) is dcp.FileSystemWriter
