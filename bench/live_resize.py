@@ -84,6 +84,7 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
         "global_batch_size": GLOBAL_BATCH,
         "scale_config": {n: {"lr": 0.02, "ckpt_every": args.ckpt_every} for n in (1, 2, 3)},
         "checkpoint": f"file://{root / 'ckpt' / name}",
+        "checkpoint_keep": 100,  # (every notice's checkpoint record stays to be reported)
         "elastic": {
             "min_nodes": 1,
             "max_nodes": NODES,
@@ -171,7 +172,7 @@ def pauses(timeline: list[TimelineEntry], record: Path) -> dict[str, Any]:
         "steps_lost": lost,
         "slow": slow,
         "handovers": handovers,
-        "step_s": step_durations(steps),
+        "step_s": summary(step_durations(steps)),
     }
 
 
@@ -265,7 +266,7 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
         lost = [float(v) for v in measured[mode]["steps_lost"]]
         rows.append({"kind": "steps lost per loss", "mode": mode, **summary(lost)})
     for mode in measured:  # the pauses above include one such step
-        rows.append({"kind": "step (for scale)", "mode": mode, **summary(measured[mode]["step_s"])})
+        rows.append({"kind": "step (for scale)", "mode": mode, **measured[mode]["step_s"]})
     for mode in measured:  # the notice's checkpoint: training blocked, and durable after
         notices = measured[mode].get("notice_checkpoints", [])
         blocked = summary([c["blocked_s"] for c in notices])
