@@ -409,8 +409,9 @@ async def benchmark(
     for mode in modes:
         at = replace(setup, resize=mode)
         for policy, run in spotrain_runs(at, deadline, mbb):
-            row = await on_fresh_server(at, policy, run)
-            row.policy += "" if mode == modes[0] else f" ({mode})"
+            name = policy + ("" if mode == modes[0] else f" ({mode})")
+            row = await on_fresh_server(at, name, run)
+            row.policy = name
             log.write(row.report(setup, rows[0].wall_h, rows[0].idle()))
             rows.append(row)
     return rows

@@ -3,10 +3,13 @@ so that a wedged server cannot hold the benchmark silently, and each finished ro
 once, so that a killed benchmark keeps what it measured.
 
 The time-skipping test server sometimes wedges a workflow task ("invalid history builder
-state for action"): the server and this process then sit at 0 CPU while the run awaits a
-result that never comes. A watchdog samples the server's time and the CPU time of this
-process and its children (the server) every `wedge_s / 6` seconds; when neither has moved for
-`wedge_s`, the run is abandoned and retried at once on a fresh server.
+state for action"): the server and this process then sit nearly idle while the run awaits a
+result that never comes, and the server's clock, no longer skipping, only keeps pace with
+real time (seen: 0.05 CPU-s/s for both, server time +3 s per 3 s). A watchdog samples the
+server's time and the CPU time of this process and its children (the server) every
+`wedge_s / 6` seconds; when for `wedge_s` the server time has not skipped ahead and the CPU
+has stayed under `STILL_CPU`, the run is abandoned and retried at once on a fresh server. A
+working run does one or the other: it skips hours of server time a second, or it computes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from .common import time_skipping_server
 from .goodput_model import Row, Setup
 
 RETRIES = 2  # fresh servers a policy's run gets after a wedged one
-STILL_CPU = 0.02  # CPU seconds per second (all processes together) that count as still
+STILL_CPU = 0.15  # CPU seconds per second (all processes together) that count as idle
+SKIPPING = 2.0  # server seconds per real second above which the server is skipping time
 CANCEL_WAIT_S = 10.0  # how long an abandoned run gets to unwind before the server goes
 
 RunFn = Callable[[WorkflowEnvironment], Awaitable[Row]]
@@ -64,24 +68,32 @@ def cpu_seconds(root: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def still(
-    before: tuple[datetime | None, float], after: tuple[datetime | None, float], period_s: float
-) -> bool:
-    """Neither server time (None: it did not answer) nor CPU time moved between samples."""
-    time_still = after[0] is None or after[0] == before[0]
-    return time_still and after[1] - before[1] < STILL_CPU * period_s
+Sample = tuple[datetime | None, float, float]  # server time (None: no answer), CPU s, real s
 
 
-async def _sample(env: WorkflowEnvironment) -> tuple[datetime | None, float]:
+def still(before: Sample, after: Sample) -> bool:
+    """Between two samples the server did not skip time (its clock, if it answered, kept at
+    most real time's pace) and the CPU stayed idle."""
+    real = after[2] - before[2]
+    skipped = (
+        after[0] is not None
+        and before[0] is not None
+        and (after[0] - before[0]).total_seconds() > SKIPPING * real
+    )
+    return not skipped and after[1] - before[1] < STILL_CPU * real
+
+
+async def _sample(env: WorkflowEnvironment) -> Sample:
+    real = time.monotonic()
     try:
         now: datetime | None = await asyncio.wait_for(env.get_current_time(), 5)
     except (TimeoutError, RPCError):  # (a server that does not answer does not move)
         now = None
-    return now, cpu_seconds(os.getpid())
+    return now, cpu_seconds(os.getpid()), real
 
 
 async def watched(env: WorkflowEnvironment, run: Awaitable[Row], wedge_s: float) -> Row:
-    """`run`'s row; `Wedged` once neither the server's time nor any CPU moved for
+    """`run`'s row; `Wedged` once the server skipped no time and the CPU stayed idle for
     `wedge_s` real seconds (the run is cancelled first)."""
     task = asyncio.ensure_future(run)
     period = wedge_s / 6
@@ -91,12 +103,12 @@ async def watched(env: WorkflowEnvironment, run: Awaitable[Row], wedge_s: float)
         if done:
             return task.result()
         sample = await _sample(env)
-        if not still(last, sample, period):
+        if not still(last, sample):
             still_since = time.monotonic()
         elif time.monotonic() - still_since >= wedge_s:
             task.cancel()
             await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
-            raise Wedged(f"neither server time nor CPU moved for {wedge_s:.0f} s")
+            raise Wedged(f"no time skipped and CPU idle for {wedge_s:.0f} s")
         last = sample
 
 

@@ -217,33 +217,36 @@ async def test_a_wedged_run_is_detected_and_retried_on_a_fresh_server(tmp_path: 
     assert row.retries == 1 and len(servers) == 2 and servers[0] is not servers[1]
 
 
-async def test_a_run_whose_server_time_and_cpu_stand_still_is_abandoned(
+async def test_a_run_whose_server_stops_skipping_time_with_cpu_idle_is_abandoned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The watchdog: a run that awaits forever while neither server time nor any CPU moves
-    (what a wedged workflow task looks like) raises Wedged after `wedge_s`; one whose server
-    time moves is left to finish."""
+    """The watchdog: a run that awaits forever while the server's clock only keeps pace with
+    real time and the CPU idles (what a wedged workflow task looks like) raises Wedged after
+    `wedge_s`; one whose server skips time is left to finish, and so is one that computes."""
 
     class Env:
-        def __init__(self, step_s: float) -> None:
-            self.now, self.step = T0, timedelta(seconds=step_s)
+        def __init__(self, skip_s: float) -> None:
+            self.skip_s = skip_s
 
         async def get_current_time(self) -> datetime:
-            self.now += self.step
-            return self.now
+            return T0 + timedelta(seconds=time.monotonic() * (1 + self.skip_s))
 
-    monkeypatch.setattr(goodput_harness, "cpu_seconds", lambda _pid: 42.0)
+    cpu = {"s": 42.0}
+    monkeypatch.setattr(goodput_harness, "cpu_seconds", lambda _pid: cpu["s"])
     began = time.monotonic()
     with pytest.raises(goodput.Wedged):
         await goodput_harness.watched(Env(0), asyncio.Event().wait(), wedge_s=0.6)  # type: ignore[arg-type]
     assert time.monotonic() - began < 5
 
-    async def slow_run() -> goodput.Row:
-        await asyncio.sleep(1.5)
+    async def slow_run(busy: bool) -> goodput.Row:
+        for _ in range(15):
+            await asyncio.sleep(0.1)
+            cpu["s"] += 0.1 if busy else 0.0
         return goodput.Row("p", "workflow", 1.0, 1.0, 0.0)
 
-    row = await goodput_harness.watched(Env(1), slow_run(), wedge_s=0.6)  # type: ignore[arg-type]
-    assert row.policy == "p"
+    skipping = await goodput_harness.watched(Env(3600), slow_run(False), wedge_s=0.6)  # type: ignore[arg-type]
+    computing = await goodput_harness.watched(Env(0), slow_run(True), wedge_s=0.6)  # type: ignore[arg-type]
+    assert skipping.policy == computing.policy == "p"
     assert goodput_harness.cpu_seconds(os.getpid()) > 0  # this process has run
 
 
