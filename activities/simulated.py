@@ -6,11 +6,19 @@ stays consistent with the workflow's own timers. Used by the workflow tests and 
 goodput benchmark, where capacity follows a recorded spot trace.
 
 The training model: a generation of world size W makes `steps_per_hour(W)` progress after a
-`restart_cost_s` start-up; a checkpoint is taken every `checkpoint_every` steps, and on an
-elastic event (graceful stop) at the current step; a hard stop loses what came after the last
-checkpoint. The checkpoint on an elastic event takes `checkpoint_s`: one that does not fit in
-the stop's grace fails (the stop is forced, the job resumes from the last periodic one), and
-the next generation starts loading only once it is written.
+start-up; a checkpoint is taken every `checkpoint_every` steps, and on an elastic event
+(graceful stop) at the current step. Both resize modes of `elastic.resize`:
+
+- restart: every generation starts up in `restart_cost_s`; a hard stop loses what came after
+  the last checkpoint. The checkpoint on an elastic event takes `checkpoint_s`: one that does
+  not fit in the stop's grace fails (the stop is forced, the job resumes from the last
+  periodic one), and the next generation starts loading only once it is written.
+- live: the ranks that stay park holding their step, and the next generation resumes from it
+  after the `LivePauses` pause for its kind of resize (growth, shrink on notice, loss without
+  notice), not a restart. A loss costs only the step in flight (the fraction past the last
+  whole step); the notice's checkpoint is written in the background (it counts once it fits
+  in the grace, and nothing waits for it). Joiners get their head start from
+  `prepare_generation`; one that had none pays a process start (`restart_cost_s`) as well.
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ class SimNode:
     info: NodeInfo
     job: str
     launched_at: datetime
+    ready_at: datetime
+
+
+BOOTING = "Booting"  # launch_node's retryable error while its node boots
 
 
 class SimulatedCloud:
@@ -64,11 +76,15 @@ class SimulatedCloud:
         zones: list[str] | None = None,
         capacity: CapacityFn | None = None,
         spot_price: float = 0.97,
+        boot_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.zones = zones or ["us-east-1a", "us-east-1b"]
         self.capacity = capacity or (lambda _t, _z, _when: 1_000_000)
         self.spot_price = spot_price
+        self.boot_s = boot_s  # a launched node's boot to ready, drawn per node
         self.nodes: dict[str, SimNode] = {}
+        self.booting: dict[tuple[str, int, int], str] = {}  # (job, slot, attempt) -> node
+        self.boot_hours: dict[str, float] = {"spot": 0.0, "on-demand": 0.0}  # paid, not ready
         self.launches: list[LaunchRequest] = []  # every launch that created a node
         self.changes: list[tuple[str, int]] = []  # (job, +1 launched / -1 gone), in order
         self._ids = itertools.count(1)
@@ -78,7 +94,7 @@ class SimulatedCloud:
         return sum(
             1
             for n in self.nodes.values()
-            if n.info.state == "ready"
+            if n.info.state != "gone"
             and n.info.lifecycle == "spot"
             and (n.info.instance_type, n.info.zone) == (itype, zone)
         )
@@ -97,10 +113,14 @@ class SimulatedCloud:
 
     @activity.defn(name=contract.LAUNCH_NODE)
     def launch_node(self, req: LaunchRequest) -> NodeInfo:
+        """Like EC2's, it returns once the node is ready: while it boots, the activity fails
+        with a retry due when the boot ends, so the boot passes in server time."""
         with self._lock:
             for n in self.nodes.values():  # idempotent: the slot's node, if it exists
-                if n.job == req.job and n.info.slot == req.slot and n.info.state != "gone":
+                if n.job == req.job and n.info.slot == req.slot and n.info.state == "ready":
                     return n.info
+            if (node_id := self.booting.get((req.job, req.slot, req.attempt))) is not None:
+                return self._boot(self.nodes[node_id], (req.job, req.slot, req.attempt))
             zone = req.zone or self.zones[0]
             if req.lifecycle == "spot" and self.capacity(
                 req.instance_type, zone, _now()
@@ -116,12 +136,37 @@ class SimulatedCloud:
                 lifecycle=req.lifecycle,
                 instance_type=req.instance_type,
                 zone=zone,
-                state="ready",
+                state="requested",
             )
-            self.nodes[info.node_id] = SimNode(info=info, job=req.job, launched_at=_now())
+            ready_at = _now() + timedelta(seconds=max(0.0, self.boot_s()))
+            node = SimNode(info=info, job=req.job, launched_at=_now(), ready_at=ready_at)
+            self.nodes[info.node_id] = node
             self.launches.append(req)
             self.changes.append((req.job, +1))
-            return info
+            return self._boot(node, (req.job, req.slot, req.attempt))
+
+    def _boot(self, node: SimNode, key: tuple[str, int, int]) -> NodeInfo:
+        """The node once ready; until then a retryable error; a capacity error if the cloud
+        took it back while it booted (EC2's "ended before it ran")."""
+        now = _now()
+        if node.info.state == "requested" and now < node.ready_at:
+            self.booting[key] = node.info.node_id
+            raise ApplicationError(
+                f"{node.info.node_id} is booting",
+                type=BOOTING,
+                next_retry_delay=node.ready_at - now,
+            )
+        self.booting.pop(key, None)
+        booted = min(now, node.ready_at) - node.launched_at
+        self.boot_hours[node.info.lifecycle] += booted.total_seconds() / 3600
+        if node.info.state == "gone":
+            raise ApplicationError(
+                f"{node.info.node_id} ended before it ran: {node.info.reason}",
+                type=contract.CAPACITY_ERROR,
+                non_retryable=True,
+            )
+        node.info.state = "ready"
+        return node.info
 
     @activity.defn(name=contract.DESCRIBE_NODES)
     def describe_nodes(self, req: DescribeRequest) -> list[NodeInfo]:
@@ -179,11 +224,22 @@ class SimulatedCloud:
         return [self.find_offers, self.launch_node, self.describe_nodes, self.release_nodes]
 
 
+@dataclass(frozen=True)
+class LivePauses:
+    """Live resize's training pause, seconds, by kind of resize (the benchmark passes the
+    product's measured figures; growth includes the state's hand-over to the joiners)."""
+
+    growth_s: float = 0.2
+    shrink_s: float = 0.3
+    loss_s: float = 0.3
+
+
 @dataclass
 class SimGeneration:
     plan: GenerationPlan
     started_at: datetime
     start_step: int
+    startup_s: float  # start-up (restart) or pause (live resize) before its first step
     stopped: bool = False
     failure: str | None = None
     stalled_at: datetime | None = None
@@ -195,6 +251,10 @@ class SimJob:
     done: bool = False
     generations: dict[int, SimGeneration] = field(default_factory=dict)
     written_at: datetime | None = None  # when the last checkpoint on an elastic event is durable
+    held_step: int | None = None  # live resize: the step the parked ranks hold
+    held_kind: str = "shrink"  # live resize: what parked them ("shrink" on notice, or "loss")
+    held_nodes: set[str] = field(default_factory=set)  # the nodes of the parked ranks
+    prepared: set[str] = field(default_factory=set)  # joiners given a head start
     history: list[tuple[int, int, int, int]] = field(default_factory=list)  # gen, world, from, to
 
 
@@ -207,11 +267,13 @@ class SimulatedRuntime:
         checkpoint_every: int = 100,
         restart_cost_s: float = 60.0,
         checkpoint_s: float = 0.0,
+        live: LivePauses | None = None,
     ) -> None:
         self.steps_per_hour = steps_per_hour
         self.checkpoint_every = checkpoint_every
         self.restart_cost_s = restart_cost_s
         self.checkpoint_s = checkpoint_s
+        self.live = live or LivePauses()
         self.jobs: dict[str, SimJob] = {}
         self._lock = threading.Lock()
 
@@ -221,7 +283,7 @@ class SimulatedRuntime:
     def _step(self, gen: SimGeneration, at: datetime) -> int:
         """The step the generation has reached at `at` (capped at the job's total)."""
         until = gen.stalled_at or at
-        working = max(0.0, (until - gen.started_at).total_seconds() - self.restart_cost_s)
+        working = max(0.0, (until - gen.started_at).total_seconds() - gen.startup_s)
         done = math.floor(working / 3600 * self.steps_per_hour(gen.plan.world_size))
         return min(gen.plan.total_steps, gen.start_step + done)
 
@@ -230,19 +292,34 @@ class SimulatedRuntime:
             return step
         return max(gen.start_step, step - step % self.checkpoint_every)
 
+    def live_pause_s(self, job: SimJob, plan: GenerationPlan) -> float:
+        """A live resume's pause: growth if it has joiners (plus a process start for those
+        without a head start), else the kind of stop that parked its ranks."""
+        joiners = {m.node_id for m in plan.members} - job.held_nodes
+        if not joiners:
+            return self.live.shrink_s if job.held_kind == "shrink" else self.live.loss_s
+        cold = bool(joiners - job.prepared)
+        return self.live.growth_s + (self.restart_cost_s if cold else 0.0)
+
     @activity.defn(name=contract.START_GENERATION)
     def start_generation(self, plan: GenerationPlan) -> None:
         with self._lock:
             job = self._job(plan.job)
-            if plan.generation not in job.generations:  # idempotent
-                start = max(_now(), job.written_at or _now())  # the checkpoint it loads
-                job.generations[plan.generation] = SimGeneration(
-                    plan=plan, started_at=start, start_step=job.checkpoint_step
-                )
+            if plan.generation in job.generations:  # idempotent
+                return
+            if plan.resize == "live" and job.held_step is not None:  # resume from memory
+                gen = SimGeneration(plan, _now(), job.held_step, self.live_pause_s(job, plan))
+            else:  # from the checkpoint, once written
+                start = max(_now(), job.written_at or _now())
+                gen = SimGeneration(plan, start, job.checkpoint_step, self.restart_cost_s)
+            job.generations[plan.generation] = gen
+            job.held_step, job.prepared = None, set()
 
     @activity.defn(name=contract.PREPARE_GENERATION)
     def prepare_generation(self, plan: GenerationPlan) -> None:
-        """Simulated ranks cost nothing to start: no head start to give."""
+        """Live resize's head start: the joiners boot and build beside the training."""
+        with self._lock:
+            self._job(plan.job).prepared |= {m.node_id for m in plan.members}
 
     @activity.defn(name=contract.STOP_GENERATION)
     def stop_generation(self, req: StopRequest) -> StopResult:
@@ -252,21 +329,26 @@ class SimulatedRuntime:
             if gen is None or gen.stopped:
                 return StopResult(acked_ranks=[], checkpoint_step=job.checkpoint_step)
             step = self._step(gen, _now())
-            acks = (
-                req.graceful
-                and gen.failure is None
-                and gen.stalled_at is None
-                and self.checkpoint_s <= req.grace_s
-            )
+            healthy = gen.failure is None and gen.stalled_at is None
+            acks = req.graceful and healthy and self.checkpoint_s <= req.grace_s
             reached = step if acks else self._periodic_checkpoint(gen, step)
             if acks:
                 job.written_at = _now() + timedelta(seconds=self.checkpoint_s)
             job.checkpoint_step = max(job.checkpoint_step, reached)
             job.history.append((req.generation, gen.plan.world_size, gen.start_step, step))
             gen.stopped = True
-            ranks = list(range(gen.plan.world_size)) if acks else []
+            held = None
+            if req.live and healthy:  # the ranks left park, holding the step they reached
+                held = step
+                job.held_step, job.held_kind = step, "shrink" if req.graceful else "loss"
+                job.held_nodes = {m.node_id for m in gen.plan.members} - set(req.lost_node_ids)
+            ranks = list(range(gen.plan.world_size)) if acks or held is not None else []
             return StopResult(
-                acked_ranks=ranks, checkpoint_step=job.checkpoint_step, forced=not acks, step=step
+                acked_ranks=ranks,
+                checkpoint_step=job.checkpoint_step,
+                forced=not (acks or (held is not None and req.graceful)),
+                step=step,
+                held_step=held,
             )
 
     @activity.defn(name=contract.WATCH_GENERATION)

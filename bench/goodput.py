@@ -20,13 +20,13 @@ import asyncio
 import heapq
 import itertools
 import logging
-import sys
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,9 @@ from spotrain.workflows.contract import (
 )
 from spotrain.workflows.state import JobResult, JobStatus
 
-from .common import REPO, load_traces, publish, table, time_skipping_server
+from .common import REPO, load_traces, publish, table
+from .goodput_harness import RowLog, RunFn, Wedged, on_fresh_server
+from .goodput_live import lognormal_boot, measured_live_pauses
 from .goodput_model import Row, Setup, all_on_demand, fixed_restart, oracle
 
 INSTANCE_TYPE = "p3.2xlarge"
@@ -66,6 +68,7 @@ COLUMNS = [
     "swapped",
     "resizes_per_reclaim",
     "pause_s_per_reclaim",
+    "pause_s_per_reclaim_with_capacity",
     "deadline_hit",
     "run_s",
     "retries",
@@ -73,18 +76,14 @@ COLUMNS = [
 
 
 WEDGED_AFTER = 3  # sleeps in a row that move server time no more
-RETRIES = 2  # fresh servers a policy's run gets after a wedged one
-
-
-class Wedged(Exception):
-    """The time-skipping test server stopped moving a run (its time or its workflow)."""
 
 
 # --- spotrain: the real workflow on the time-skipping server ---------------------------------
 
 
 class RecordingRuntime(SimulatedRuntime):
-    """The simulated runtime with `setup`'s progress model, recording world size over time."""
+    """The simulated runtime with `setup`'s progress model and the product's measured live
+    pauses for its state size, recording world size over time."""
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(
@@ -92,6 +91,7 @@ class RecordingRuntime(SimulatedRuntime):
             checkpoint_every=setup.checkpoint_every,
             restart_cost_s=setup.restart_cost_s,
             checkpoint_s=setup.checkpoint_s,
+            live=measured_live_pauses(setup.state_gb),
         )
         self.worlds: list[tuple[datetime, int]] = []
 
@@ -249,19 +249,26 @@ class Run:
         return result, (desc.close_time - self.t0).total_seconds() / 3600
 
     def row(self, policy: str, wall_h: float, result: JobResult, began: float) -> Row:
-        """The policy's outcome; `began`: time.monotonic() when the run began."""
+        """The policy's outcome; `began`: time.monotonic() when the run began. Paid
+        node-hours include the boots, which the job does not see (its nodes count from
+        ready)."""
+        gens = sorted(
+            (g for job in self.runtime.jobs.values() for g in job.generations.values()),
+            key=lambda g: g.started_at,
+        )
         return Row(
             policy,
             "workflow",
             wall_h,
-            result.node_hours["spot"],
-            result.node_hours["on-demand"],
+            result.node_hours["spot"] + self.cloud.boot_hours["spot"],
+            result.node_hours["on-demand"] + self.cloud.boot_hours["on-demand"],
             steps_lost=result.steps_lost,
             resizes=result.resizes,
             reclaims=result.reclaims,
             swapped=result.swapped,
             run_s=time.monotonic() - began,
             series=[((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds],
+            startup_s=sum(g.startup_s for g in gens[1:]),
         )
 
 
@@ -295,6 +302,7 @@ def job_spec(
             "progress_report_interval_s": tick,
             "capacity_check_interval_s": tick,
             "stall_timeout_s": 4 * tick + setup.restart_cost_s,
+            "resize": setup.resize,
         }
         | policy,
         "spot": {
@@ -320,6 +328,7 @@ async def new_run(env: WorkflowEnvironment, setup: Setup) -> AsyncIterator[Run]:
         zones=[t.zone for t in setup.traces],
         capacity=lambda _type, zone, when: setup.capacity(zone, (when - t0).total_seconds()),
         spot_price=setup.spot_price,
+        boot_s=lognormal_boot(setup.boot_median_s, setup.boot_sigma, setup.seed),
     )
     run = Run(env, setup, cloud, RecordingRuntime(setup), uuid.uuid4().hex, t0)
     with ThreadPoolExecutor(max_workers=8) as pool:
@@ -352,26 +361,6 @@ async def spotrain(
 # --- the benchmark ---------------------------------------------------------------------------
 
 
-RunFn = Callable[[WorkflowEnvironment], Awaitable[Row]]
-
-
-async def on_fresh_server(setup: Setup, policy: str, run: RunFn) -> Row:
-    """One policy's run on its own time-skipping server; a run the server wedges (or that
-    passes `run_timeout_s`) is abandoned and retried on a fresh server, up to RETRIES times
-    (counted in the row's `retries`)."""
-    for retry in range(RETRIES + 1):
-        try:
-            async with time_skipping_server() as env:
-                row = await asyncio.wait_for(run(env), setup.run_timeout_s)
-        except (Wedged, TimeoutError) as err:
-            print(f"{policy}: wedged ({err or 'timed out'}), retrying", file=sys.stderr)
-            continue
-        row.retries = retry
-        print(f"{policy}: {row.run_s:.0f} s", file=sys.stderr, flush=True)
-        return row
-    raise RuntimeError(f"{policy}: the test server wedged {RETRIES + 1} times in a row")
-
-
 def spotrain_runs(setup: Setup, deadline: bool, mbb: bool = True) -> list[tuple[str, RunFn]]:
     """spotrain's policies, each followed by its make-before-break twin (`mbb`), then the
     deadline policies."""
@@ -397,17 +386,34 @@ def spotrain_runs(setup: Setup, deadline: bool, mbb: bool = True) -> list[tuple[
     return runs
 
 
-async def benchmark(setup: Setup, deadline: bool = True, mbb: bool = True) -> list[Row]:
-    """Every policy on the same trace and work: the baselines, then spotrain's runs, each on
-    a fresh time-skipping server (a test-server wedge in one run cannot hold up the next)."""
+async def benchmark(
+    setup: Setup,
+    deadline: bool = True,
+    mbb: bool = True,
+    modes: tuple[str, ...] = ("live",),
+    log: RowLog | None = None,
+) -> list[Row]:
+    """Every policy on the same trace and work: the baselines, then spotrain's runs in each
+    resize mode of `modes` (the first unmarked, the others' policies marked with theirs),
+    each on a fresh time-skipping server (a test-server wedge in one run cannot hold up the
+    next); each row goes to `log` as it completes."""
     rows = [
         oracle(setup),
         all_on_demand(setup),
         fixed_restart(setup),
         fixed_restart(setup, on_notice=True),
     ]
-    for policy, run in spotrain_runs(setup, deadline, mbb):
-        rows.append(await on_fresh_server(setup, policy, run))
+    log = log or RowLog(None)
+    for row in rows:
+        log.write(row.report(setup, rows[0].wall_h, rows[0].idle()))
+    for mode in modes:
+        at = replace(setup, resize=mode)
+        for policy, run in spotrain_runs(at, deadline, mbb):
+            name = policy + ("" if mode == modes[0] else f" ({mode})")
+            row = await on_fresh_server(at, name, run)
+            row.policy = name
+            log.write(row.report(setup, rows[0].wall_h, rows[0].idle()))
+            rows.append(row)
     return rows
 
 
@@ -466,11 +472,16 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         "grace_s",
         "rebalance_lead_s",
         "max_surge_nodes",
+        "state_gb",
+        "boot_median_s",
+        "boot_sigma",
+        "seed",
         "spot_price",
         "on_demand_price",
         "deadline_h",
         "deadline_margin_s",
         "run_timeout_s",
+        "wedge_s",
     ):
         default = getattr(defaults, name)
         p.add_argument(
@@ -478,6 +489,13 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
             type=int if isinstance(default, int) else float,
             default=default,
         )
+    p.add_argument(
+        "--resize",
+        choices=["live", "restart", "both"],
+        default="live",
+        help="spotrain's elastic.resize: live (the product's, default), restart, or both "
+        "(live's rows, then restart's marked '(restart)')",
+    )
     p.add_argument("--no-deadline", action="store_true", help="skip the deadline policies")
     p.add_argument("--no-mbb", action="store_true", help="skip the make-before-break rows")
     p.add_argument(
@@ -488,7 +506,7 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
     )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if hasattr(defaults, k)}
+    fields = {k: v for k, v in vars(args).items() if hasattr(defaults, k) and k != "resize"}
     return replace(defaults, **fields, traces=load_traces(args.trace)), args
 
 
@@ -496,7 +514,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup, args = parse_args(argv)
     logging.getLogger("temporalio").setLevel(logging.ERROR)  # capacity errors are expected
     began = time.monotonic()
-    rows = asyncio.run(benchmark(setup, deadline=not args.no_deadline, mbb=not args.no_mbb))
+    modes = ("live", "restart") if args.resize == "both" else (args.resize,)
+    log = RowLog(args.out / "goodput_rows.jsonl")
+    rows = asyncio.run(
+        benchmark(setup, deadline=not args.no_deadline, mbb=not args.no_mbb, modes=modes, log=log)
+    )
     sweep = None
     if args.deadline_factors:
         from .deadline_sweep import sweep as deadline_sweep  # (it builds on this module)
@@ -510,8 +532,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "traces": [f"{t.zone}: {len(t.data)} x {t.gap_s:.0f} s" for t in setup.traces],
             "deadline_h": setup.deadline_s() / 3600,
             "total_steps": setup.total_steps,
+            "live_pauses": asdict(measured_live_pauses(setup.state_gb)),
         },
-        "rows": [r.report(setup, oracle_h) for r in rows],
+        "load_average": os.getloadavg(),
+        "rows": [r.report(setup, oracle_h, rows[0].idle()) for r in rows],
         "deadline_sweep": sweep,
         "bench_s": time.monotonic() - began,
     }
@@ -522,6 +546,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print()
         print(table(sweep["rows"], SWEEP_COLUMNS))
     plot(setup, rows, args.out / "goodput_world_size.png")
+    log.done()
     return report
 
 

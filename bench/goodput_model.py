@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,12 @@ class Setup:
     steps_per_node_hour: float = 3600.0
     scaling_efficiency: float = 1.0
     checkpoint_minutes: float = 30.0
-    restart_cost_s: float = 120.0
+    restart_cost_s: float = 120.0  # restart mode: each generation's processes start and load
+    resize: str = "live"  # spotrain's elastic.resize (the product's default); or "restart"
+    state_gb: float = 0.8  # model + optimizer state: 100M params, fp32 with SGD momentum
+    boot_median_s: float = 60.0  # a launched node's boot to ready: lognormal, this median
+    boot_sigma: float = 0.5  # ... and this sigma of its log (p90: 1.9x the median)
+    seed: int = 1  # the boot delays' draws
     notice_s: float = 120.0
     checkpoint_s: float = field(default_factory=lambda: measured_checkpoint_s())
     grace_s: float = 60.0  # the job's graceful_shutdown_timeout_s
@@ -39,6 +44,7 @@ class Setup:
     deadline_h: float | None = None
     deadline_margin_s: float = 600.0  # the product policy's margin_s
     run_timeout_s: float = 900.0  # real seconds a spotrain run may take before it counts as wedged
+    wedge_s: float = 60.0  # real seconds with neither server time nor CPU moving: a wedge
 
     @property
     def tick_s(self) -> float:
@@ -59,6 +65,11 @@ class Setup:
             return 0.0
         return self.steps_per_node_hour * world * self.scaling_efficiency ** math.log2(world)
 
+    @property
+    def start_s(self) -> float:
+        """A start on fresh nodes: their boot (the median), then the processes' start-up."""
+        return self.boot_median_s + self.restart_cost_s
+
     def notice_checkpoint_fits(self) -> bool:
         """The checkpoint on a reclaim notice completes before the node goes: within the
         grace the workflow gives it (the notice less 5 s, at most `grace_s`)."""
@@ -72,7 +83,7 @@ class Setup:
         return min(self.max_nodes, sum(t.at(offset_s) for t in self.traces))
 
     def on_demand_hours(self) -> float:
-        return self.restart_cost_s / 3600 + self.total_steps / self.steps_per_hour(self.max_nodes)
+        return self.start_s / 3600 + self.total_steps / self.steps_per_hour(self.max_nodes)
 
     def deadline_policy(self) -> dict[str, Any]:
         """The job spec's `deadline` for spotrain's own policy: a switch costs a restart and
@@ -125,21 +136,29 @@ class Row:
     run_s: float = 0.0
     retries: int = 0  # runs of this policy abandoned on a wedged test server
     series: Series = field(default_factory=list)
+    startup_s: float = 0.0  # start-ups (restart) and pauses (live) after the first start
 
-    def pause_h(self, restart_cost_s: float) -> float:
-        """Hours not training between the first start and the end: no generation running,
-        plus each restart's start-up."""
+    def idle(self) -> list[tuple[float, float]]:
+        """(from h, to h) spans with no generation running, after the first start."""
         starts = [t for t, w in self.series if w > 0]
-        if not starts:
-            return 0.0
-        idle = sum(
-            b[0] - a[0]
+        return [
+            (a[0], b[0])
             for a, b in itertools.pairwise([*self.series, (self.wall_h, 0)])
-            if a[1] == 0 and a[0] >= starts[0]
-        )
-        return idle + (len(starts) - 1) * restart_cost_s / 3600
+            if a[1] == 0 and starts and a[0] >= starts[0] and b[0] > a[0]
+        ]
 
-    def report(self, setup: Setup, oracle_wall_h: float) -> dict[str, Any]:
+    def pause_h(self, no_capacity: Sequence[tuple[float, float]] = ()) -> float:
+        """Hours not training between the first start and the end: no generation running,
+        plus each later start-up or pause; less the time within `no_capacity` spans (when
+        the trace offered no node at all: nothing could train)."""
+        idle = sum(b - a for a, b in self.idle()) - overlap_h(self.idle(), no_capacity)
+        return idle + self.startup_s / 3600
+
+    def report(
+        self, setup: Setup, oracle_wall_h: float, no_capacity: Sequence[tuple[float, float]] = ()
+    ) -> dict[str, Any]:
+        """The row's columns; `no_capacity`: the spans the trace offered no node (the oracle's
+        idle spans), left out of the second pause figure."""
         cost = self.spot_node_h * setup.spot_price + self.on_demand_node_h * setup.on_demand_price
         od = setup.on_demand_hours() * setup.max_nodes * setup.on_demand_price
         return {
@@ -157,8 +176,9 @@ class Row:
             "reclaims": self.reclaims,
             "swapped": self.swapped,
             "resizes_per_reclaim": self.resizes / self.reclaims if self.reclaims else None,
-            "pause_s_per_reclaim": (
-                3600 * self.pause_h(setup.restart_cost_s) / self.reclaims if self.reclaims else None
+            "pause_s_per_reclaim": 3600 * self.pause_h() / self.reclaims if self.reclaims else None,
+            "pause_s_per_reclaim_with_capacity": (
+                3600 * self.pause_h(no_capacity) / self.reclaims if self.reclaims else None
             ),
             "deadline_hit": self.wall_h * 3600 <= setup.deadline_s(),
             "run_s": self.run_s,
@@ -166,28 +186,36 @@ class Row:
         }
 
 
+def overlap_h(spans: Sequence[tuple[float, float]], others: Sequence[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sets of disjoint spans."""
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in others)
+
+
 # --- baselines: pure-Python models over the same trace and progress model -------------------
 
 
 def oracle(setup: Setup) -> Row:
-    """Every node-hour the trace offers, no restart cost, no loss: no policy does better."""
+    """Every node-hour the trace offers, no restart cost, no loss, and one boot (the first,
+    at the median): no policy does better."""
     steps, paid, series = 0.0, 0.0, []
     for start, end, avail in setup.segments():
         series.append((start / 3600, avail))
         rate = setup.steps_per_hour(avail) / 3600
-        if rate and steps + rate * (end - start) >= setup.total_steps:
-            finish = start + (setup.total_steps - steps) / rate
+        begin = max(start, min(end, setup.boot_median_s))  # (the first nodes still boot)
+        if rate and steps + rate * (end - begin) >= setup.total_steps:
+            finish = begin + (setup.total_steps - steps) / rate
             paid += avail * (finish - start) / 3600
             return Row("oracle", "model", finish / 3600, paid, 0.0, series=series)
-        steps += rate * (end - start)
+        steps += rate * (end - begin)
         paid += avail * (end - start) / 3600
 
 
 def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
     """Needs all N nodes; any loss stops everything (work since the last checkpoint is
-    lost) until N are back, then it restarts from that checkpoint, as non-elastic managed
-    spot does. `on_notice`: it checkpoints on the reclaim notice too (a SIGTERM handler),
-    saving the work when the checkpoint fits in the notice, by the same rule as spotrain."""
+    lost) until N are back, then it restarts from that checkpoint (boot, then start-up), as
+    non-elastic managed spot does. `on_notice`: it checkpoints on the reclaim notice too (a
+    SIGTERM handler), saving the work when the checkpoint fits in the notice, by the same
+    rule as spotrain."""
     n, every = setup.max_nodes, setup.checkpoint_every
     saves = on_notice and setup.notice_s > 0 and setup.notice_checkpoint_fits()
     rate = setup.steps_per_hour(n) / 3600
@@ -196,7 +224,7 @@ def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
     series: Series = []
     for start, end, avail in setup.segments():
         if started is not None and avail < n:  # a loss: back to the last checkpoint
-            step = start_step + math.floor(max(0.0, start - started - setup.restart_cost_s) * rate)
+            step = start_step + math.floor(max(0.0, start - started - setup.start_s) * rate)
             checkpoint = step if saves else max(start_step, step - step % every)
             lost += step - checkpoint
             reclaimed += n - avail
@@ -208,7 +236,7 @@ def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
             series.append((start / 3600, n))
         if started is None:
             continue
-        finish = started + setup.restart_cost_s + (setup.total_steps - start_step) / rate
+        finish = started + setup.start_s + (setup.total_steps - start_step) / rate
         if finish <= end:
             paid += n * (finish - start) / 3600
             series.append((finish / 3600, 0))
@@ -223,6 +251,7 @@ def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
                 restarts - 1,
                 reclaimed,
                 series=series,
+                startup_s=(restarts - 1) * setup.start_s,
             )
         paid += n * (end - start) / 3600
 

@@ -4,14 +4,17 @@ against hand-computed answers, since the spotrain rows are judged against them."
 
 from __future__ import annotations
 
+import asyncio
 import json
-from datetime import UTC, datetime
+import os
+import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
-from bench import checkpoint, goodput, live_resize, reaction, scale
+from bench import checkpoint, goodput, goodput_harness, live_resize, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
 from tests.k8s_cluster import control_plane_or_skip
 
@@ -50,6 +53,7 @@ def test_baseline_models_match_hand_computation(tmp_path: Path) -> None:
         steps_per_node_hour=100,
         checkpoint_minutes=30,  # 100 steps at 2 nodes
         restart_cost_s=0,
+        boot_median_s=0,
     )
     oracle = goodput.oracle(setup)
     assert oracle.wall_h == pytest.approx(4.0)  # 2 h, an empty hour, 1 more hour
@@ -67,6 +71,13 @@ def test_baseline_models_match_hand_computation(tmp_path: Path) -> None:
     assert goodput.fixed_restart(slow, on_notice=True).steps_lost == 100
     on_demand = goodput.all_on_demand(setup)
     assert on_demand.wall_h == pytest.approx(3.0) and on_demand.on_demand_node_h == 6
+    booting = goodput.replace(setup, boot_median_s=360)  # 0.1 h before nodes are ready
+    # The oracle's first nodes boot (380 steps by the gap, 220 after it); nothing else does.
+    assert goodput.oracle(booting).wall_h == pytest.approx(4.1)
+    # Each start of the fixed job boots: 380 steps, 80 lost; 0.1 h + 300 steps after the gap.
+    rebooted = goodput.fixed_restart(booting)
+    assert rebooted.steps_lost == 80 and rebooted.wall_h == pytest.approx(4.6)
+    assert rebooted.startup_s == 360  # the restart's boot (the first start is not a pause)
 
 
 def test_goodput_benchmark_runs_the_real_workflow(
@@ -79,6 +90,8 @@ def test_goodput_benchmark_runs_the_real_workflow(
             *("--trace", f"us-test-1a={a}", "--trace", f"us-test-1b={b}"),
             *("--max-nodes", "8", "--min-nodes", "2", "--base-nodes", "2"),
             *("--work-node-hours", "8", "--checkpoint-minutes", "20", "--out", str(tmp_path)),
+            # bounded however the test server behaves: a wedge costs 15 s and a retry
+            *("--wedge-s", "15", "--run-timeout-s", "60"),
         ]
     )
     rows = {r["policy"]: r for r in report["rows"]}
@@ -202,3 +215,46 @@ async def test_a_wedged_run_is_detected_and_retried_on_a_fresh_server(tmp_path: 
 
     row = await goodput.on_fresh_server(setup, "p", wedged_once)
     assert row.retries == 1 and len(servers) == 2 and servers[0] is not servers[1]
+
+
+async def test_a_run_whose_server_stops_skipping_time_with_cpu_idle_is_abandoned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watchdog: a run that awaits forever while the server's clock only keeps pace with
+    real time and the CPU idles (what a wedged workflow task looks like) raises Wedged after
+    `wedge_s`; one whose server skips time is left to finish, and so is one that computes."""
+
+    class Env:
+        def __init__(self, skip_s: float) -> None:
+            self.skip_s = skip_s
+
+        async def get_current_time(self) -> datetime:
+            return T0 + timedelta(seconds=time.monotonic() * (1 + self.skip_s))
+
+    cpu = {"s": 42.0}
+    monkeypatch.setattr(goodput_harness, "cpu_seconds", lambda _pid: cpu["s"])
+    began = time.monotonic()
+    with pytest.raises(goodput.Wedged):
+        await goodput_harness.watched(Env(0), asyncio.Event().wait(), wedge_s=0.6)  # type: ignore[arg-type]
+    assert time.monotonic() - began < 5
+
+    async def slow_run(busy: bool) -> goodput.Row:
+        for _ in range(15):
+            await asyncio.sleep(0.1)
+            cpu["s"] += 0.1 if busy else 0.0
+        return goodput.Row("p", "workflow", 1.0, 1.0, 0.0)
+
+    skipping = await goodput_harness.watched(Env(3600), slow_run(False), wedge_s=0.6)  # type: ignore[arg-type]
+    computing = await goodput_harness.watched(Env(0), slow_run(True), wedge_s=0.6)  # type: ignore[arg-type]
+    assert skipping.policy == computing.policy == "p"
+    assert goodput_harness.cpu_seconds(os.getpid()) > 0  # this process has run
+
+
+def test_each_finished_row_is_written_as_it_completes(tmp_path: Path) -> None:
+    log = goodput_harness.RowLog(tmp_path / "rows.jsonl")
+    log.write({"policy": "a"})
+    log.write({"policy": "b"})
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(line)["policy"] for line in lines] == ["a", "b"]
+    log.done()
+    assert not (tmp_path / "rows.jsonl").exists()

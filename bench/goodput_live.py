@@ -1,0 +1,92 @@
+"""The goodput benchmark's measured inputs for what a resize and a launch cost: live resize's
+pauses (bench/live_resize.py), the state's hand-over (bench/handover.py), and a node's boot to
+ready. Pure functions over the results files, so that the model is tested apart from the
+workflow runs (tests/test_goodput_live.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from spotrain.activities.simulated import LivePauses
+
+from .common import REPO
+
+RESULTS = REPO / "bench" / "results"
+LIVE_KINDS = {"growth": "growth", "shrink on notice": "shrink", "loss without notice": "loss"}
+# live_resize.json's live medians (s), bench/README.md's 2026-11-24 table, without the file
+LIVE_MEDIANS = {"growth": 0.180, "shrink": 0.266, "loss": 0.263}
+# bench.handover's medians without its file: (state GB, s), 10M and 100M params, 1 survivor
+# (`--params 10 100 --survivors 1 --repeats 3`, 2026-11-25, load average 3.3)
+HANDOVER_POINTS = [(0.08, 0.133), (0.8, 0.506)]
+
+
+def live_medians(path: Path = RESULTS / "live_resize.json") -> dict[str, float]:
+    """The median live pause per kind of resize (growth, shrink, loss), in seconds."""
+    if not path.exists():
+        return dict(LIVE_MEDIANS)
+    rows = json.loads(path.read_text())["rows"]
+    found = {
+        LIVE_KINDS[r["kind"]]: float(r["median"])
+        for r in rows
+        if r["mode"] == "live" and r["kind"] in LIVE_KINDS
+    }
+    return LIVE_MEDIANS | found
+
+
+def handover_points(path: Path = RESULTS / "handover.json") -> list[tuple[float, float]]:
+    """(state GB, median hand-over s) per measured size, with the fewest survivors measured
+    (one joiner fed by one survivor: the slowest case)."""
+    if not path.exists():
+        return list(HANDOVER_POINTS)
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["method"] == "handover"]
+    if not rows:
+        return list(HANDOVER_POINTS)
+    fewest = min(r["survivors"] for r in rows)
+    return sorted(
+        (r["state_MB"] / 1000, float(r["median"])) for r in rows if r["survivors"] == fewest
+    )
+
+
+def handover_s(state_gb: float, points: Sequence[tuple[float, float]]) -> float:
+    """The hand-over time of `state_gb`: linear between measured sizes; beyond the largest at
+    its rate (s per GB); below the smallest, the smallest's time (fixed costs dominate)."""
+    points = sorted(points)
+    if state_gb <= points[0][0]:
+        return points[0][1]
+    for (g0, s0), (g1, s1) in itertools.pairwise(points):
+        if state_gb <= g1:
+            return s0 + (s1 - s0) * (state_gb - g0) / (g1 - g0)
+    g, s = points[-1]
+    return s * state_gb / g
+
+
+def live_pauses(
+    state_gb: float, medians: dict[str, float], points: Sequence[tuple[float, float]]
+) -> LivePauses:
+    """The simulated runtime's live pauses: each kind's measured median (a small model: the
+    pause is the re-forming of the group), growth plus the hand-over of `state_gb` to the
+    joiner."""
+    return LivePauses(
+        growth_s=medians["growth"] + handover_s(state_gb, points),
+        shrink_s=medians["shrink"],
+        loss_s=medians["loss"],
+    )
+
+
+def measured_live_pauses(state_gb: float) -> LivePauses:
+    return live_pauses(state_gb, live_medians(), handover_points())
+
+
+def lognormal_boot(median_s: float, sigma: float, seed: int) -> Callable[[], float]:
+    """Boot-to-ready delays: lognormal with this median and shape (sigma of the log), one
+    draw per launched node, reproducible by `seed`."""
+    rng = random.Random(seed)
+    if median_s <= 0:
+        return lambda: 0.0
+    mu = math.log(median_s)
+    return lambda: rng.lognormvariate(mu, sigma)

@@ -1,0 +1,166 @@
+"""The goodput benchmark's model of what resizes and launches cost: the measured-figure
+readers, the hand-over's scaling with state size, the boot delays, the pause figure that
+leaves out hours with no capacity, and the simulated runtime's two resize modes."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from bench import goodput_live
+from bench.goodput_model import Row, overlap_h
+from spotrain.activities import simulated
+from spotrain.activities.simulated import LivePauses, SimulatedRuntime
+from spotrain.workflows.contract import GenerationPlan, Member, StopRequest
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_handover_scales_with_state_size() -> None:
+    points = [(0.1, 0.2), (1.0, 1.1)]
+    assert goodput_live.handover_s(0.05, points) == 0.2  # below: the fixed cost
+    assert goodput_live.handover_s(0.55, points) == pytest.approx(0.65)  # linear between
+    assert goodput_live.handover_s(2.0, points) == pytest.approx(2.2)  # beyond: 1.1 s per GB
+    pauses = goodput_live.live_pauses(2.0, {"growth": 0.2, "shrink": 0.3, "loss": 0.4}, points)
+    assert pauses == LivePauses(growth_s=pytest.approx(2.4), shrink_s=0.3, loss_s=0.4)
+
+
+def test_measured_figures_are_read_from_the_results_files(tmp_path: Path) -> None:
+    live = tmp_path / "live_resize.json"
+    rows = [
+        {"kind": "growth", "mode": "live", "median": 0.5},
+        {"kind": "growth", "mode": "restart", "median": 9.0},
+        {"kind": "loss without notice", "mode": "live", "median": 0.7},
+        {"kind": "steps lost per loss", "mode": "live", "median": 0.0},
+    ]
+    live.write_text(json.dumps({"rows": rows}))
+    medians = goodput_live.live_medians(live)
+    assert medians == {"growth": 0.5, "loss": 0.7, "shrink": goodput_live.LIVE_MEDIANS["shrink"]}
+    handover = tmp_path / "handover.json"
+    rows = [
+        {"method": "handover", "survivors": 3, "state_MB": 800, "median": 0.2},
+        {"method": "handover", "survivors": 1, "state_MB": 800, "median": 0.5},
+        {"method": "handover", "survivors": 1, "state_MB": 80, "median": 0.1},
+        {"method": "raw", "survivors": 1, "state_MB": 800, "median": 0.4},
+    ]
+    handover.write_text(json.dumps({"rows": rows}))
+    assert goodput_live.handover_points(handover) == [(0.08, 0.1), (0.8, 0.5)]
+    missing = tmp_path / "none.json"
+    assert goodput_live.live_medians(missing) == goodput_live.LIVE_MEDIANS
+    assert goodput_live.handover_points(missing) == goodput_live.HANDOVER_POINTS
+
+
+def test_boot_delays_are_lognormal_around_the_median_and_reproducible() -> None:
+    draw = goodput_live.lognormal_boot(60.0, 0.5, seed=7)
+    delays = [draw() for _ in range(4000)]
+    assert statistics.median(delays) == pytest.approx(60.0, rel=0.05)
+    assert min(delays) > 0
+    again = goodput_live.lognormal_boot(60.0, 0.5, seed=7)
+    assert [again() for _ in range(5)] == delays[:5]
+    assert goodput_live.lognormal_boot(0.0, 0.5, seed=7)() == 0.0
+
+
+def test_pause_leaves_out_the_hours_with_no_capacity() -> None:
+    # runs 0-1 h, idle 1-3 h, runs 3-4 h; the trace offered nothing from 1.5 h to 2.5 h
+    row = Row("p", "workflow", 4.0, 1.0, 0.0, series=[(0.0, 2), (1.0, 0), (3.0, 2)])
+    row.startup_s = 360.0
+    assert row.idle() == [(1.0, 3.0)]
+    assert row.pause_h() == pytest.approx(2.1)
+    assert row.pause_h([(1.5, 2.5)]) == pytest.approx(1.1)
+    assert overlap_h([(0, 1), (2, 3)], [(0.5, 2.5)]) == pytest.approx(1.0)
+
+
+# --- the simulated runtime's resize modes ------------------------------------------------------
+
+
+class Clock:
+    """Stands in for the activity context: the server time each call is scheduled at."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = T0
+        monkeypatch.setattr(simulated, "_now", lambda: self.now)
+
+    def skip(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def plan(generation: int, nodes: list[str], resize: str) -> GenerationPlan:
+    members = [Member(node_id=n, address=n) for n in nodes]
+    return GenerationPlan(
+        job="j",
+        generation=generation,
+        members=members,
+        command=["simulated"],
+        checkpoint="file:///tmp/x",
+        total_steps=10**9,
+        resize=resize,
+    )
+
+
+def stop(generation: int, world: int, graceful: bool, live: bool, lost: list[str]) -> StopRequest:
+    return StopRequest(
+        job="j",
+        generation=generation,
+        world_size=world,
+        checkpoint="file:///tmp/x",
+        graceful=graceful,
+        grace_s=60,
+        lost_node_ids=lost,
+        live=live,
+    )
+
+
+def runtime() -> SimulatedRuntime:
+    return SimulatedRuntime(
+        steps_per_hour=lambda w: 3600.0 * w,  # one step per node-second
+        checkpoint_every=1000,
+        restart_cost_s=100.0,
+        checkpoint_s=10.0,
+        live=LivePauses(growth_s=2.0, shrink_s=0.5, loss_s=0.25),
+    )
+
+
+def test_live_mode_resumes_from_memory_after_the_measured_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock, rt = Clock(monkeypatch), runtime()
+    rt.start_generation(plan(1, ["a", "b", "c"], "live"))
+    clock.skip(400.5)  # 100 s start-up, then 300.5 s at 3 steps/s: step 901
+    lost = rt.stop_generation(stop(1, 3, graceful=False, live=True, lost=["c"]))
+    assert (lost.step, lost.held_step, lost.forced) == (901, 901, True)  # only the step in flight
+    rt.start_generation(plan(2, ["a", "b"], "live"))
+    gen = rt.jobs["j"].generations[2]
+    assert (gen.start_step, gen.startup_s, gen.started_at) == (901, 0.25, clock.now)
+    clock.skip(100.25)  # the loss's pause, then 100 s at 2 steps/s
+    noticed = rt.stop_generation(stop(2, 2, graceful=True, live=True, lost=[]))
+    assert (noticed.held_step, noticed.forced, noticed.checkpoint_step) == (1101, False, 1101)
+    rt.start_generation(plan(3, ["a"], "live"))  # a shrink: nothing waits for the checkpoint
+    assert rt.jobs["j"].generations[3].startup_s == 0.5
+    assert rt.jobs["j"].generations[3].started_at == clock.now
+    rt.stop_generation(stop(3, 1, graceful=True, live=True, lost=[]))
+    rt.prepare_generation(plan(4, ["a", "d"], "live"))  # the joiner's head start
+    rt.start_generation(plan(4, ["a", "d"], "live"))
+    assert rt.jobs["j"].generations[4].startup_s == 2.0
+    rt.stop_generation(stop(4, 2, graceful=True, live=True, lost=[]))
+    rt.start_generation(plan(5, ["a", "d", "e"], "live"))  # a joiner with no head start
+    assert rt.jobs["j"].generations[5].startup_s == 102.0
+
+
+def test_restart_mode_restarts_and_a_loss_rolls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, rt = Clock(monkeypatch), runtime()
+    rt.start_generation(plan(1, ["a", "b"], "restart"))
+    clock.skip(700)  # 600 s at 2 steps/s: step 1200, periodic checkpoint at 1000
+    lost = rt.stop_generation(stop(1, 2, graceful=False, live=False, lost=["b"]))
+    assert (lost.step, lost.held_step, lost.checkpoint_step) == (1200, None, 1000)
+    rt.start_generation(plan(2, ["a"], "restart"))
+    gen = rt.jobs["j"].generations[2]
+    assert (gen.start_step, gen.startup_s) == (1000, 100.0)
+    clock.skip(150)
+    noticed = rt.stop_generation(stop(2, 1, graceful=True, live=False, lost=[]))
+    assert (noticed.checkpoint_step, noticed.held_step) == (1050, None)
+    rt.start_generation(plan(3, ["a"], "restart"))  # loads once the 10 s save is written
+    assert rt.jobs["j"].generations[3].started_at == clock.now + timedelta(seconds=10)
