@@ -269,6 +269,8 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
         rows.append({"kind": "step (for scale)", "mode": mode, **measured[mode]["step_s"]})
     for mode in measured:  # the notice's checkpoint: training blocked, and durable after
         notices = measured[mode].get("notice_checkpoints", [])
+        if not notices:  # (a job cancelled before its last notice's checkpoint completed)
+            continue
         blocked = summary([c["blocked_s"] for c in notices])
         rows.append({"kind": "notice checkpoint: blocked", "mode": mode, **blocked})
         if after := [c["after_notice_s"] for c in notices if "after_notice_s" in c]:
