@@ -22,17 +22,20 @@ import boto3
 import pytest
 import pytest_asyncio
 import yaml
+from rich.console import Console
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.ec2_ownership import MANAGED, TAG_JOB
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore, open_store
+from spotrain.workers.cli_views import status_view
 from spotrain.workers.webhook import WebhookConfig, WebhookService
 from spotrain.workers.webhook_auth import AuthConfig
 from spotrain.workflows.state import JobStatus
 
 from .jobs import Sim, fast_runtime, fast_spec, simulated
+from .test_planner_job import T0, node, running, state
 
 TOKEN = "cli-test-token"
 
@@ -432,3 +435,16 @@ async def test_gc_reaps_checkpoints_of_jobs_temporal_no_longer_knows(
         assert f"{live_job['name']}/ckpt/complete/0000010.json" in keys
         assert "notes/readme.json" in keys
     assert (await cli("cancel", live_job["name"])).code == 0
+
+
+def test_status_shows_whole_instance_ids_at_80_columns() -> None:
+    """`spotrain status` on an 80-column terminal: the node column never wraps or cuts an id
+    (the one thing a user copies from it, to `spotrain reclaim --node`)."""
+    s = running(state(), [0, 1])
+    s.nodes = [node(0), node(1, "on-demand", itype="g4dn.12xlarge", zone="ap-southeast-2c")]
+    for n, long_id in zip(s.nodes, ("i-0123456789abcdef0", "i-0fedcba9876543210"), strict=True):
+        n.node_id, n.reason = long_id, "a replacement for a node reclaimed with notice"
+    console = Console(width=80, record=True)
+    console.print(status_view(s.status(T0)))
+    text = console.export_text()
+    assert "i-0123456789abcdef0" in text and "i-0fedcba9876543210" in text, text

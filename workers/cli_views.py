@@ -61,7 +61,10 @@ def status_view(s: JobStatus) -> Group:
     for f in s.stragglers:
         kind, since = "hung" if f.hung else "slow", f"{f.since:%H:%M:%S}"
         head += f"\n[yellow]{kind} rank {f.rank} on {f.node_id} since {since}: {f.why}[/]"
-    nodes = Table("rank", "node", "lifecycle", "type", "zone", "state", "$/h", "reason")
+    nodes = Table("rank")
+    nodes.add_column("node", no_wrap=True, min_width=19)  # a whole instance id, at 80 columns too
+    for header in ("lifecycle", "type", "zone", "state", "$/h", "reason"):
+        nodes.add_column(header)
     for n in sorted(s.nodes, key=lambda n: (n.rank is None, n.rank or 0, n.slot)):
         nodes.add_row(
             "-" if n.rank is None else str(n.rank),
