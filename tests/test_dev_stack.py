@@ -36,6 +36,7 @@ class Dev:
         self.state = state
         self.ports = [free_port() for _ in range(4)]
         self.env = os.environ | {"TEMPORAL_ADDRESS": f"127.0.0.1:{self.ports[0]}"}
+        self.banner = ""
 
     def start(self) -> subprocess.Popen[str]:
         names = ("--temporal-port", "--ui-port", "--moto-port", "--webhook-port")
@@ -56,7 +57,8 @@ class Dev:
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             lines.append(line)
-            if "spotrain dev is up" in line:
+            if "Ctrl-C to stop." in line:  # (the end of the banner)
+                self.banner = "".join(lines)
                 return proc
             assert line or proc.poll() is None, "".join(lines)
         proc.kill()
@@ -81,6 +83,19 @@ def test_ctrl_c_stops_everything_and_temporal_state_survives_a_restart(tmp_path:
     try:
         created = dev.cli("pool", "create", "kept", "--max-nodes", "3")
         assert created.returncode == 0, created.stderr
+        # The banner's exports work as written: `spotrain gc` reaches the stack's EC2.
+        exports = "\n".join(
+            line.strip() for line in dev.banner.splitlines() if line.strip().startswith("export ")
+        )
+        assert "SPOTRAIN_WEBHOOK_TOKEN" in exports and "SPOTRAIN_EC2_ENDPOINT" in exports
+        gc = subprocess.run(
+            ["bash", "-c", f"{exports}\n{sys.executable} -m spotrain.workers.cli gc"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in dev.env.items() if not k.startswith(("AWS_", "SPOTRAIN_EC2"))},
+        )
+        assert gc.returncode == 0, gc.stdout + gc.stderr
     finally:
         assert dev.interrupt(proc) == 0
     database = dev.state / "temporal.db"

@@ -297,6 +297,10 @@ async def serve(args: argparse.Namespace) -> None:
             f"  webhook    {stack.webhook_url}   token in {config.state_dir / 'webhook-token'}\n"
             f"  task queue {config.task_queue!r}\n"
             "Submit a job from another terminal:  spotrain submit examples/job.yaml --wait\n"
+            "For `spotrain reclaim` and `spotrain gc` against this stack, in that terminal:\n"
+            f"  export SPOTRAIN_WEBHOOK_TOKEN=$(cat {config.state_dir / 'webhook-token'})\n"
+            f"  export SPOTRAIN_EC2_ENDPOINT={stack.moto_url} AWS_ACCESS_KEY_ID=local "
+            f"AWS_SECRET_ACCESS_KEY=local AWS_DEFAULT_REGION={config.region}\n"
             "Ctrl-C to stop.",
             flush=True,
         )
