@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "docs" / "config" / "mkdocs.yml"
@@ -65,3 +67,38 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert built.returncode == 0, built.stderr[-4000:]
     assert (site / "reference" / "job-spec" / "index.html").exists()
+
+
+DEMO = (
+    'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e ".'
+    '[local,train,s3]" && .venv/bin/spotrain demo'
+)
+
+
+def test_the_readme_is_a_front_page_with_the_two_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) < 14_000  # a front page; the rest lives in docs/
+    for command in (DEMO, "bash .ci/run"):
+        assert f"```\n{command}\n```" in readme
+    assert f"```\n{DEMO}\n```" in (ROOT / "docs" / "getting-started.md").read_text()
+    assert "python -m pytest -q -n 2 --dist loadfile" in (ROOT / ".ci" / "run").read_text()
+    extras = (ROOT / "pyproject.toml").read_text()
+    assert all(f"\n{extra} = [" in extras for extra in ("local", "train", "s3", "report"))
+
+
+def test_job_specs_in_the_docs_validate() -> None:
+    from spotrain.workflows.spec import parse_spec
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    specs = [
+        (page, block)
+        for page in pages
+        for block in re.findall(r"^```yaml\n(.*?)^```$", page.read_text(), re.M | re.S)
+        if "total_steps:" in block
+    ]
+    assert len(specs) >= 2
+    for page, block in specs:
+        try:
+            parse_spec(yaml.safe_load(block))
+        except ValueError as e:
+            pytest.fail(f"{page.relative_to(ROOT)}: {e}")
