@@ -81,6 +81,19 @@ def section(path: Path) -> str:
     return "".join(out)
 
 
+def pictures() -> list[str]:
+    """The benchmarks' pictures, which the site's hook (docs/config/hooks.py) publishes
+    under reference/bench/."""
+    out = []
+    for picture in sorted(RESULTS.glob("*.png")):
+        script = script_for(picture)
+        out.append(
+            f"\n## `{picture.name}`\n\nDrawn by `bench/{script}.py` with its results.\n\n"
+            f"![{picture.stem}](bench/{picture.name})\n"
+        )
+    return out
+
+
 def page(header: str) -> str:
     return header + "".join(
         [
@@ -94,5 +107,6 @@ def page(header: str) -> str:
             "run, not absolute times. What each benchmark does and how to read it: "
             "[Benchmarks](../benchmarks.md).\n",
             *(section(p) for p in sorted(RESULTS.glob("*.json"))),
+            *pictures(),
         ]
     )

@@ -67,6 +67,8 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert built.returncode == 0, built.stderr[-4000:]
     assert (site / "reference" / "job-spec" / "index.html").exists()
+    for picture in (ROOT / "bench" / "results").glob("*.png"):  # published by the hook
+        assert (site / "reference" / "bench" / picture.name).read_bytes() == picture.read_bytes()
 
 
 DEMO = (
