@@ -274,7 +274,8 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="[ZONE=]FILE",
-        help="spot capacity of a zone follows this trace (../shared/traces format); repeatable",
+        help='spot capacity of a zone follows this JSON trace ({"metadata": {"gap_seconds": S}, '
+        '"data": [nodes, ...]}); repeatable',
     )
     p.add_argument("--trace-speedup", type=float, default=60.0, help="trace time per real second")
     p.add_argument("--notice-s", type=float, default=20.0, help="notice before a traced reclaim")
