@@ -269,7 +269,9 @@ def parser() -> argparse.ArgumentParser:
         "  spotrain report my-job\n  spotrain report my-job --plot job.png --html job.html",
     )
     c.add_argument("--plot", type=Path, metavar="FILE.png", help="draw it (needs matplotlib)")
-    c.add_argument("--html", type=Path, metavar="FILE", help="a shareable page")
+    c.add_argument(
+        "--html", type=Path, metavar="FILE", help="a self-contained page: the picture and tables"
+    )
     c.add_argument("--json", action="store_true", help="the report as one JSON object")
 
     pool = sub.add_parser(
