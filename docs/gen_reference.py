@@ -175,6 +175,10 @@ def shown_default(action: argparse.Action) -> str:
     value = action.default
     if value is None or isinstance(action, argparse._StoreTrueAction) or value == []:
         return ""
+    from spotrain.workers.worker import DEFAULT_STATE_DIR  # read from the environment
+
+    if value == DEFAULT_STATE_DIR:
+        return "`$SPOTRAIN_STATE_DIR`, else `~/.spotrain`"
     if isinstance(value, Path) and value.is_relative_to(Path.home()):
         return f"`~/{value.relative_to(Path.home())}`"
     return f"`{value}`"
