@@ -242,6 +242,32 @@ def payload_rows(t: Any) -> str:
     return "| field | type | default | description |\n|---|---|---|---|\n" + "".join(rows)
 
 
+SAMPLES = {int: 1, float: 1.0, str: "...", bool: True}
+
+
+def sample(t: Any) -> str:
+    """A payload with every required field, for the `temporal` CLI line: values are
+    placeholders of the field's type."""
+    if not (isinstance(t, type) and issubclass(t, BaseModel)):
+        return "{}"
+    hints = typing.get_type_hints(t)
+    values = {
+        name: SAMPLES.get(hints[name], "...")
+        for name, field in t.model_fields.items()
+        if field.is_required()
+    }
+    return json.dumps(values)
+
+
+def cli_line(kind: str, name: str, workflow_id: str, arg: Any) -> str:
+    what = {
+        "signal": f"temporal workflow signal --workflow-id {workflow_id} --name {name}",
+        "update": f"temporal workflow update execute --workflow-id {workflow_id} --name {name}",
+        "query": f"temporal workflow query --workflow-id {workflow_id} --type {name}",
+    }[kind]
+    return f"```\n{what}" + ("" if kind == "query" else f" --input '{sample(arg)}'") + "\n```\n\n"
+
+
 def handler_doc(fn: Any, arg: Any, ret: Any) -> str:
     for source in (fn, arg, ret):
         if source is not None and getattr(source, "__doc__", None) and source is not type(None):
@@ -262,9 +288,12 @@ def workflow_page() -> str:
         "definitions: what the `temporal` CLI, the Web UI and your own clients may send. "
         "Payloads are JSON objects with the fields below; updates run a validator first and "
         "reject impossible requests with a message. The task queue is `spotrain` by default; "
-        "a job's workflow id is its name, a pool's `pool:NAME`.\n",
+        "a job's workflow id is its name, a pool's `pool:NAME`. The signals `grant` (to a "
+        "job) and `report` (to a pool) are how jobs and pools talk to each other: users send "
+        "the others. Each comes with a `temporal` CLI line whose input has every required "
+        "field, with placeholder values.\n",
     ]
-    for cls in (TrainingJob, CapacityPool):
+    for cls, workflow_id in ((TrainingJob, "JOB"), (CapacityPool, "pool:POOL")):
         defn = workflow._Definition.from_class(cls)
         assert defn is not None
         doc = cls.__doc__ or sys.modules[cls.__module__].__doc__ or ""
@@ -283,7 +312,8 @@ def workflow_page() -> str:
                     title += f"Returns `{type_name(ret)}`. "
                 if kind == "update":
                     title += "Validated before it is accepted. " if h.validator else ""
-                out.append(f"{title}{handler_doc(h.fn, arg, ret)}\n\n{payload_rows(arg)}")
+                out.append(f"{title}{handler_doc(h.fn, arg, ret)}\n\n")
+                out.append(cli_line(kind, name, workflow_id, arg) + payload_rows(arg))
     out.append("\n## Search attributes (TrainingJob)\n\n| name | type |\n|---|---|\n")
     for key in attributes.ALL:
         out.append(f"| `{key.name}` | {key.value_type.__name__} |\n")
