@@ -250,7 +250,7 @@ async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) 
     assert r.code == 0, r
     assert "generation started" in r.out
     assert png.stat().st_size > 10_000
-    assert name in page.read_text() and "job.png" in page.read_text()
+    assert name in page.read_text() and "data:image/png;base64," in page.read_text()
 
     r = await cli("status", f"nope-{uuid.uuid4().hex[:6]}")
     assert (r.code, "no running job named" in r.err) == (1, True), r

@@ -76,7 +76,8 @@ def test_plot_is_a_real_picture(finished: JobResult, tmp_path: Path) -> None:
 def test_html_page_is_self_contained(finished: JobResult) -> None:
     page = to_html(Report.from_result(finished), Path("job.png"))
     assert page.startswith("<!doctype html>") and finished.name in page
-    assert '<img src="job.png"' in page and "generation started" in page
+    assert '<img src="data:image/png;base64,' in page and "generation started" in page
+    assert 'src="job.png"' not in page  # the picture is in the page, not beside it
 
 
 def test_plot_without_matplotlib_says_how_to_install(

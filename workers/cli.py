@@ -128,9 +128,12 @@ def parser() -> argparse.ArgumentParser:
         "validate a job spec (YAML or JSON) and start it",
         "  spotrain submit job.yaml\n  spotrain submit job.json --wait --task-queue gpu",
     )
-    c.add_argument("file", type=Path)
+    c.add_argument("file", type=Path, help="the job spec: YAML, or JSON for a .json file")
     c.add_argument(
-        "--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE), metavar="Q"
+        "--task-queue",
+        default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE),
+        metavar="Q",
+        help="the workers' task queue (default: SPOTRAIN_TASK_QUEUE, else spotrain)",
     )
     c.add_argument("--wait", action="store_true", help="show progress until the job ends")
     c.add_argument(
@@ -146,9 +149,9 @@ def parser() -> argparse.ArgumentParser:
         "list jobs (visibility query)",
         "  spotrain list\n  spotrain list --phase Running --json",
     )
-    c.add_argument("--phase", choices=PHASES)
-    c.add_argument("--limit", type=positive, default=100)
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--phase", choices=PHASES, help="only jobs in this phase")
+    c.add_argument("--limit", type=positive, default=100, help="at most this many jobs (100)")
+    c.add_argument("--json", action="store_true", help="one JSON array, for scripts")
 
     c = named(
         "status",
@@ -200,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
         "webhook: SPOTRAIN_WEBHOOK_URL (default http://127.0.0.1:8080), SPOTRAIN_WEBHOOK_TOKEN, "
         "SPOTRAIN_WEBHOOK_HMAC_SECRET",
     )
-    c.add_argument("--node", required=True, metavar="ID")
+    c.add_argument("--node", required=True, metavar="ID", help="the instance id to reclaim")
     c.add_argument("--no-notice", action="store_true", help="the node is already gone")
     c.add_argument(
         "--deadline-s",
@@ -230,7 +233,7 @@ def parser() -> argparse.ArgumentParser:
         help="a root holding jobs' stores (<URI>/<job>/...): also reap those of jobs Temporal "
         "no longer knows; repeat for more",
     )
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="what was found, as one JSON object")
 
     c = named(
         "release",
@@ -246,7 +249,7 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--region", action="append", help="a region to search; repeat for more")
     c.add_argument("--state-dir", type=Path, help="local runtime's (default ~/.spotrain)")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="what was released, as one JSON object")
 
     c = named(
         "logs",
@@ -254,9 +257,9 @@ def parser() -> argparse.ArgumentParser:
         "a rank's log (local runtime)",
         "  spotrain logs my-job\n  spotrain logs my-job --rank 1 --generation 3 --follow",
     )
-    c.add_argument("--rank", type=int, default=0)
+    c.add_argument("--rank", type=int, default=0, help="whose log (default rank 0)")
     c.add_argument("--generation", type=int, default=None, help="default: the latest")
-    c.add_argument("--follow", "-f", action="store_true")
+    c.add_argument("--follow", "-f", action="store_true", help="keep printing as it grows")
     c.add_argument("--state-dir", type=Path, help="default: the worker's (~/.spotrain)")
 
     c = named(
@@ -266,8 +269,10 @@ def parser() -> argparse.ArgumentParser:
         "  spotrain report my-job\n  spotrain report my-job --plot job.png --html job.html",
     )
     c.add_argument("--plot", type=Path, metavar="FILE.png", help="draw it (needs matplotlib)")
-    c.add_argument("--html", type=Path, metavar="FILE", help="a shareable page")
-    c.add_argument("--json", action="store_true")
+    c.add_argument(
+        "--html", type=Path, metavar="FILE", help="a self-contained page: the picture and tables"
+    )
+    c.add_argument("--json", action="store_true", help="the report as one JSON object")
 
     pool = sub.add_parser(
         "pool",
@@ -307,14 +312,17 @@ def parser() -> argparse.ArgumentParser:
     c = pool_command("create", cmd_pool_create, "start a capacity pool with its limits")
     limits(c)
     c.add_argument(
-        "--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE), metavar="Q"
+        "--task-queue",
+        default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE),
+        metavar="Q",
+        help="the workers' task queue (default: SPOTRAIN_TASK_QUEUE, else spotrain)",
     )
     limits(pool_command("set", cmd_pool_set, "change a pool's limits (others are kept)"))
     c = pool_command("status", cmd_pool_status, "usage against limits, and the pool's jobs")
-    c.add_argument("name")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("name", help="pool name")
+    c.add_argument("--json", action="store_true", help="the pool's status as one JSON object")
     c = pool_command("list", cmd_pool_list, "running capacity pools")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="one JSON array, for scripts")
 
     for name, (_, help) in DELEGATED.items():
         c = sub.add_parser(name, help=help, add_help=False)

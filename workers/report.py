@@ -7,6 +7,7 @@ cancelled one from the `status` and `timeline` queries (cost so far). Both becom
 
 from __future__ import annotations
 
+import base64
 import html
 import io
 from pathlib import Path
@@ -22,15 +23,6 @@ from spotrain.workflows.deadline import DeadlineState
 from spotrain.workflows.state import JobAccounts, JobResult, JobStatus, Phase, TimelineEntry
 
 LIFECYCLES = ("spot", "on-demand")
-# Timeline events drawn as markers on the plot, with their colour.
-MARKED = {
-    "fault": "tab:red",
-    "generation checkpointed": "tab:green",
-    "generation stopped": "tab:orange",
-    "scale in": "tab:purple",
-    "scale out": "tab:purple",
-    "paused": "tab:gray",
-}
 
 
 class Cost(BaseModel):
@@ -147,11 +139,6 @@ def print_report(report: Report, console: Console) -> None:
     console.print(tables(report))
 
 
-def _seconds(report: Report) -> list[float]:
-    start = report.timeline[0].time
-    return [(e.time - start).total_seconds() for e in report.timeline]
-
-
 def nodes_over_time(report: Report) -> dict[str, list[int]]:
     """Live nodes by lifecycle after each timeline entry: +1 on "node ready", -1 on "node
     released" / "node gone" (entries whose detail starts with the lifecycle)."""
@@ -193,53 +180,53 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed; the message says how to install it."""
 
 
-def plot(report: Report, path: Path) -> None:
-    """World size and nodes by lifecycle over time, with reclaims, checkpoints and faults
-    marked: the picture of a job's life on spot capacity."""
-    if not report.timeline:
-        raise ValueError(f"job {report.name} has no timeline yet")
+def _matplotlib() -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise PlotUnavailable(
             "--plot needs matplotlib: pip install 'spotrain[report]' (or pip install matplotlib)"
         ) from None
-    x = _seconds(report)
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
-    top.step(x, trained_world(report.timeline), where="post", color="tab:blue", lw=2)
-    top.set_ylabel("world size")
-    top.set_title(f"{report.name}: {report.phase}, {report.reclaims} reclaim(s)")
-    for lifecycle, counts in nodes_over_time(report).items():
-        bottom.step(x, counts, where="post", label=lifecycle, lw=2)
-    bottom.set_ylabel("nodes by lifecycle")
-    bottom.set_xlabel("seconds since submission")
-    bottom.legend(loc="upper right")
-    seen: set[str] = set()
-    for t, e in zip(x, report.timeline, strict=True):
-        color = MARKED.get(e.event)
-        if color is None:
-            continue
-        for ax in (top, bottom):
-            ax.axvline(t, color=color, ls="--", lw=1, label=None if e.event in seen else e.event)
-        seen.add(e.event)
-    if seen:
-        top.legend(loc="upper right", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+
+
+def plot(report: Report, path: Path) -> None:
+    """The job picture (workers/report_picture.py): world size, nodes by lifecycle, steps per
+    second and cumulative cost over time, with notices, losses, growth, pauses and faults
+    marked."""
+    if not report.timeline:
+        raise ValueError(f"job {report.name} has no timeline yet")
+    _matplotlib()
+    from spotrain.workers import report_picture
+
+    path.write_bytes(report_picture.png(report))
 
 
 def to_html(report: Report, image: Path | None = None) -> str:
-    """A self-contained page to share: the same summary, timeline and cost tables."""
+    """A self-contained page to share: the job picture embedded (the PNG at `image` if there
+    is one, else drawn now; none without matplotlib or a timeline), then the same summary,
+    timeline and cost tables as the terminal."""
     console = Console(record=True, width=120, file=io.StringIO())  # only the export is kept
     console.print(tables(report))
     body = console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
-    picture = f'<img src="{html.escape(str(image))}" alt="timeline plot">' if image else ""
+    picture = b""
+    if image is not None and image.is_file():
+        picture = image.read_bytes()
+    elif report.timeline:
+        try:
+            _matplotlib()
+            from spotrain.workers import report_picture
+
+            picture = report_picture.png(report)
+        except PlotUnavailable:
+            picture = b""
+    img = (
+        f'<img src="data:image/png;base64,{base64.b64encode(picture).decode()}" '
+        'alt="the job picture" style="max-width:100%">'
+        if picture
+        else "<p>(no picture: pip install 'spotrain[report]')</p>"
+    )
     title = html.escape(f"spotrain report: {report.name}")
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
-        f"<body><h1>{title}</h1>{picture}{body}</body></html>"
+        f"<body><h1>{title}</h1>{img}{body}</body></html>"
     )

@@ -259,17 +259,23 @@ def parser() -> argparse.ArgumentParser:
         "Then, in another terminal: spotrain submit examples/job.yaml --wait",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
-    p.add_argument("--temporal-port", type=int, default=7233)
-    p.add_argument("--ui-port", type=int, default=8233)
-    p.add_argument("--moto-port", type=int, default=5000)
-    p.add_argument("--webhook-port", type=int, default=8080)
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help="Temporal's database, ranks' logs and local checkpoints (default ~/.spotrain)",
+    )
+    p.add_argument("--temporal-port", type=int, default=7233, help="Temporal's gRPC port (7233)")
+    p.add_argument("--ui-port", type=int, default=8233, help="Temporal Web UI's port (8233)")
+    p.add_argument("--moto-port", type=int, default=5000, help="the EC2 and S3 endpoint's (5000)")
+    p.add_argument("--webhook-port", type=int, default=8080, help="the reclaim webhook's (8080)")
     p.add_argument(
         "--trace",
         action="append",
         default=[],
         metavar="[ZONE=]FILE",
-        help="spot capacity of a zone follows this trace (../shared/traces format); repeatable",
+        help='spot capacity of a zone follows this JSON trace ({"metadata": {"gap_seconds": S}, '
+        '"data": [nodes, ...]}); repeatable',
     )
     p.add_argument("--trace-speedup", type=float, default=60.0, help="trace time per real second")
     p.add_argument("--notice-s", type=float, default=20.0, help="notice before a traced reclaim")

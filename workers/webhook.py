@@ -492,9 +492,9 @@ async def serve(client: Client, config: WebhookConfig) -> None:
         await service.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m spotrain.workers.webhook`; the `spotrain webhook` command calls the same."""
-    argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """`spotrain webhook --help`: it takes no options, only its environment."""
+    return argparse.ArgumentParser(
         prog="spotrain webhook",
         description="Serve the reclaim webhook: cloud interruption events to workflow signals.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -509,7 +509,12 @@ def main(argv: list[str] | None = None) -> None:
         "SPOTRAIN_WEBHOOK_HMAC_LEGACY=1 (deprecated); Temporal: "
         "TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_TLS_*, TEMPORAL_PROFILE "
         "(docs/security.md). See docs/webhook.md.",
-    ).parse_args(argv)
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m spotrain.workers.webhook`; the `spotrain webhook` command calls the same."""
+    parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     try:

@@ -128,12 +128,23 @@ def parser() -> argparse.ArgumentParser:
         "SPOTRAIN_SUBNETS, SPOTRAIN_EC2_LAUNCH (instances | fleet).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE))
     p.add_argument(
-        "--provider", choices=PROVIDERS, default=os.environ.get("SPOTRAIN_PROVIDER", "ec2")
+        "--task-queue",
+        default=os.environ.get("SPOTRAIN_TASK_QUEUE", TASK_QUEUE),
+        help="the task queue to serve (default: SPOTRAIN_TASK_QUEUE, else spotrain)",
     )
     p.add_argument(
-        "--runtime", choices=RUNTIMES, default=os.environ.get("SPOTRAIN_RUNTIME", "local")
+        "--provider",
+        choices=PROVIDERS,
+        default=os.environ.get("SPOTRAIN_PROVIDER", "ec2"),
+        help="where nodes come from (default: SPOTRAIN_PROVIDER, else ec2)",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default=os.environ.get("SPOTRAIN_RUNTIME", "local"),
+        help="where ranks run: local processes or Kubernetes pods (default: SPOTRAIN_RUNTIME, "
+        "else local)",
     )
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="local runtime state")
     p.add_argument(

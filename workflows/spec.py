@@ -112,7 +112,9 @@ class InstanceType(Strict):
 class SpotPolicy(Strict):
     """Where spot nodes may come from and what they may cost."""
 
-    instance_types: list[InstanceType] = Field(min_length=1, max_length=MAX_LISTED)
+    instance_types: list[InstanceType] = Field(
+        min_length=1, max_length=MAX_LISTED, description="the node shapes the job may buy"
+    )
     region: str = Field("us-east-1", description="home region: on-demand nodes are bought here")
     more_regions: list[str] = Field(
         default_factory=list,
@@ -147,7 +149,7 @@ class SpotPolicy(Strict):
 class OnDemandPolicy(Strict):
     """When spot is short: whether to fall back to on-demand nodes, and how far."""
 
-    fallback: bool = True
+    fallback: bool = Field(True, description="buy on-demand nodes when spot is short")
     max_nodes: NodesOrNone | None = Field(None, description="cap on on-demand nodes; None: no cap")
     return_to_spot: bool = Field(True, description="swap fallback nodes back when spot returns")
     base_nodes: NodesOrNone = Field(0, description="on-demand nodes never reclaimed (the base)")
@@ -169,14 +171,16 @@ class StragglerPolicy(Strict):
 class ElasticPolicy(Strict):
     """Sizes the job may take and how fast it changes size."""
 
-    min_nodes: Nodes = 1
-    max_nodes: Nodes = 1
+    min_nodes: Nodes = Field(1, description="the job trains on no fewer nodes")
+    max_nodes: Nodes = Field(1, description="the job grows to no more nodes")
     initial_nodes: Nodes | None = Field(None, description="default: max_nodes")
     increment_step: Nodes | None = Field(None, description="sizes are min + k*step")
     discrete_sizes: list[Nodes] | None = Field(
         None, min_length=1, max_length=MAX_LISTED, description="e.g. [2, 4, 8]"
     )
-    graceful_shutdown_timeout_s: PositiveSeconds = 60
+    graceful_shutdown_timeout_s: PositiveSeconds = Field(
+        60, description="time ranks get to checkpoint and ack on a notice (capped by its deadline)"
+    )
     scaling_timeout_s: Seconds = Field(30, description="debounce before growing")
     faulty_scale_down_timeout_s: Seconds = Field(
         120, description="after a fault, wait this long for a replacement before shrinking"
@@ -334,19 +338,26 @@ class JobSpec(Strict):
     env: dict[str, str] = Field(
         default_factory=dict, description="plain settings only: secrets belong in the runtime"
     )
-    procs_per_node: bounded(int, 1, MAX_PROCS_PER_NODE) = 1
-    gpus_per_node: bounded(int, 0, MAX_GPUS_PER_NODE) | None = None
+    procs_per_node: bounded(int, 1, MAX_PROCS_PER_NODE) = Field(
+        1, description="rank processes on each node"
+    )
+    gpus_per_node: bounded(int, 0, MAX_GPUS_PER_NODE) | None = Field(
+        None, description="GPUs each node must have (one rank per GPU)"
+    )
     total_gpus: bounded(int, 1, MAX_TOTAL_GPUS) | None = Field(
         None, description="packed onto instance shapes"
     )
     total_steps: bounded(int, 0, MAX_STEPS, above=True) = Field(
         description="the job is done when this many steps are done"
     )
-    global_batch_size: bounded(int, 1, MAX_BATCH) | None = None
+    global_batch_size: bounded(int, 1, MAX_BATCH) | None = Field(
+        None, description="split over the ranks, unevenly when the world size does not divide it"
+    )
     scale_config: dict[WorldSize, dict[str, Any]] = Field(
         default_factory=dict,
         max_length=MAX_LISTED,
-        description="per-world-size overrides passed to ranks (JSON values: finite numbers, "
+        description="per-world-size overrides passed to ranks (keys: world sizes 1 to "
+        f"{MAX_WORLD:,}; JSON values: finite numbers, "
         f"nested at most {MAX_SCALE_CONFIG_DEPTH} deep, {MAX_SCALE_CONFIG_VALUES:,} in all)",
     )
     elastic: ElasticPolicy = Field(default_factory=ElasticPolicy)
@@ -356,7 +367,10 @@ class JobSpec(Strict):
     checkpoint_keep: Tries = Field(
         3, description="complete checkpoints kept (the training library deletes older)"
     )
-    cleanup: Literal["always", "keep_failed", "never"] = "keep_failed"
+    cleanup: Literal["always", "keep_failed", "never"] = Field(
+        "keep_failed",
+        description="what the runtime keeps at the end (pods, logs): a failed job's, all, none",
+    )
     priority: bounded(int, -MAX_PRIORITY, MAX_PRIORITY) = Field(
         0, description="higher runs first when capacity is short"
     )
