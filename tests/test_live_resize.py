@@ -100,6 +100,25 @@ def through_held(rec: dict[int, list[dict]], held: int) -> dict[int, list[dict]]
     return completed
 
 
+def test_the_accounting_completes_only_a_step_some_rank_finished() -> None:
+    """through_held: a rank one entry short of the held step (the one killed, a survivor whose
+    last all-reduce failed) is completed with its share; two short, or a held step that no
+    rank finished, is a loss it reports."""
+
+    def entries(rank: int, upto: int) -> list[dict]:
+        return [
+            {"step": s, "start": (s - 1) * GLOBAL_BATCH + 17 * rank} for s in range(1, upto + 1)
+        ]
+
+    done = through_held({0: entries(0, 5), 1: entries(1, 4), 2: entries(2, 4)}, 5)
+    assert [e["step"] for e in done[1]] == [1, 2, 3, 4, 5] == [e["step"] for e in done[2]]
+    assert done[1][-1]["start"] == 4 * GLOBAL_BATCH + 17
+    with pytest.raises(AssertionError):
+        through_held({0: entries(0, 5), 1: entries(1, 3)}, 5)
+    with pytest.raises(AssertionError):
+        through_held({0: entries(0, 4), 1: entries(1, 4)}, 5)
+
+
 def notice_checkpoints(location: str) -> list[dict[str, Any]]:
     return [r for r in JobStore(location).checkpoints() if r["kind"] == "notice"]
 
