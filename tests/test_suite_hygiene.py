@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tests.assert_diff import MAX_RUNS
 
 
-@settings(max_examples=3)
-@given(st.integers())
+@settings(max_examples=2)
+@given(st.just(0))  # (nothing to shrink: a deadline fails it at once)
 def test_a_slow_example_is_not_a_failure(n: int) -> None:
     """An example slower than hypothesis' default 200 ms deadline, as a loaded machine makes
     any: it must not fail the test (SPOTRAIN_HYPOTHESIS_PROFILE=timed makes it fail)."""
