@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from spotrain.activities.local import LocalRuntime, job_processes
+from spotrain.workers.demo import Progress
 from spotrain.workflows.contract import CleanupRequest
+from spotrain.workflows.state import JobStatus, Phase
 
 pytest.importorskip("torch")
 
@@ -32,6 +34,39 @@ def steps_by_generation(record: Path) -> dict[int, list[dict]]:
         if steps := [json.loads(line) for line in f.read_text().splitlines()]:
             out[generation] = steps
     return dict(sorted(out.items()))
+
+
+def test_without_a_terminal_progress_comes_as_lines() -> None:
+    """A line per note, per change of phase, generation or world size, and every `every_s`
+    seconds; nothing more."""
+    progress, notes = Progress(every_s=10), []
+
+    def status(generation: int, world: int, step: int) -> JobStatus:
+        return JobStatus.model_construct(  # (the fields a progress line shows)
+            name="demo-1",
+            phase=Phase.RUNNING,
+            generation=generation,
+            world_size=world,
+            step=step,
+            total_steps=100,
+            cost_so_far=0.0,
+        )
+
+    first = progress.lines(status(1, 4, 5), notes, now=0)
+    assert [line.split(" ", 1)[1] for line in first] == [
+        "demo-1: Running, generation 1, world size 4, step 5/100, cost $0.0000"
+    ]
+    assert progress.lines(status(1, 4, 9), notes, now=9) == []
+    assert len(progress.lines(status(1, 4, 12), notes, now=10)) == 1  # every 10 s
+    notes.append("reclaiming i-1 with 20 s notice")
+    assert progress.lines(status(1, 4, 13), notes, now=11) == notes
+    assert "world size 3" in progress.lines(status(2, 3, 14), notes, now=12)[0]
+
+
+# Each line the demo prints without a terminal while the job runs.
+PROGRESS = re.compile(
+    r"^\d\d:\d\d:\d\d demo-\d+: (\w+), generation (\d+), world size (\d+), step (\d+)/"
+)
 
 
 @pytest.mark.timeout(420)
@@ -63,6 +98,15 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     # Checkpoints went to the stack's S3; their figures reached the job's result.
     assert re.search(r"checkpoints\s*│\s*checkpoints \d+ kept", run.stdout), run.stdout[-3000:]
     assert re.search(r"notice -> checkpoint durable\s*│\s*\d+\.\d+ s", run.stdout)
+    # No terminal here (the output is a pipe): progress came as lines while it ran, before
+    # the summary, through both reclaims and the sizes they caused.
+    during = run.stdout.split("reclaims survived")[0]
+    progress = [m.groups() for line in during.splitlines() if (m := PROGRESS.match(line))]
+    assert len(progress) >= 6, during[-3000:]
+    assert {world for _, _, world, _ in progress} >= {"3", "4"}, progress
+    steps = [int(step) for *_, step in progress]
+    assert steps == sorted(steps) and steps[-1] > steps[0], steps
+    assert "with 20 s notice" in during and "without notice" in during, during[-3000:]
 
     gens = steps_by_generation(record)
     assert len(gens) >= 3, gens.keys()

@@ -18,7 +18,7 @@ import pytest
 from spotrain import elastic
 from spotrain.elastic import control, environment
 from spotrain.elastic.job_store import JobStore
-from spotrain.elastic.step_times import StepClock
+from spotrain.elastic.step_times import STUCK_AFTER_S, StepClock
 from spotrain.workflows.contract import GenerationPlan, Member
 
 
@@ -192,6 +192,31 @@ def test_acks_progress_and_markers_go_to_the_store(
     assert elastic.latest_checkpoint() == {"step": 8, "path": "/ckpt/8"}
     elastic.mark_done(10)
     assert store.done()["step"] == 10 and store.progress(3)["step"] == 10
+
+
+def test_a_section_written_as_stuck_is_rewritten_at_the_next_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Under load a rank's ordinary work can outlast STUCK_AFTER_S, and the stuck watch writes
+    it as stuck: its next step rewrites the record at once, not STEP_TIMES_INTERVAL_S later.
+    Else a rank that then waits in a collective (a peer hung) still looks stuck in its own
+    work, and the lockstep job has no culprit (tests/test_stragglers.py, lockstep-hang)."""
+    as_rank(monkeypatch, tmp_path, rank=0)
+    store = JobStore(f"file://{tmp_path}/store")
+    elastic.report_progress(5, force=True)
+    clock = elastic._clock
+    clock.begin_busy(time.time() - 2 * STUCK_AFTER_S)  # 20 ms of work that took 2 s
+    with clock.lock:
+        stuck = clock.stuck_record(time.time())
+    assert stuck is not None
+    store.write_rank_steps(3, 0, stuck)  # (what the watch thread writes)
+    assert store.rank_steps(3, time.time())[0].busy_s is not None
+    clock.end_busy(2 * STUCK_AFTER_S)
+    elastic.report_progress(6)  # well within STEP_TIMES_INTERVAL_S of the last write
+    [record] = store.rank_steps(3, time.time())
+    assert (record.step, record.busy_s) == (6, None)
+    elastic.report_progress(7)  # and then throttled again
+    assert store.rank_steps(3, time.time())[0].step == 6
 
 
 def test_acks_reach_s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, moto_endpoint: str) -> None:

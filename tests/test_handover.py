@@ -31,6 +31,11 @@ def test_big_tensors_travel_alone_and_small_ones_are_packed_in_order() -> None:
     assert handover.buckets([64, 63, 1], 64) == [[0], [1, 2]]
 
 
+def test_buckets_are_striped_over_the_sources_in_turn() -> None:
+    assert [handover.source_of(b, [1, 3]) for b in range(5)] == [1, 3, 1, 3, 1]
+    assert [handover.source_of(b, [2]) for b in range(3)] == [2, 2, 2]
+
+
 RANK = r"""
 import json, os, sys, torch, torch.distributed as dist
 from torch import nn

@@ -414,7 +414,11 @@ def test_the_control_annotation_reaches_the_library_through_the_downward_api(
             return out.stdout.strip() == b"True"
 
         assert not rank_sees_event()
-        stopping = in_thread(runtime.stop_generation, stop_request(ckpt, world_size=1))
-        wait_until(rank_sees_event)
+        # The rank's probe is a Python start-up (seconds under load): the stop's grace must
+        # not run out first, or it deletes the pod before the probe reads it. It returns at
+        # the ack, so a long grace costs nothing.
+        stop = stop_request(ckpt, world_size=1, grace_s=120)
+        stopping = in_thread(runtime.stop_generation, stop)
+        wait_until(rank_sees_event, timeout=120)
         JobStore(ckpt).write_ack(1, 0, step=40, time=time.time())
         assert stopping.result(timeout=10).acked_ranks == [0]

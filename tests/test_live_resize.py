@@ -79,16 +79,44 @@ def consumed(entries_by_gen: list[tuple[dict[int, list[dict]], int]]) -> list[in
     )
 
 
-def through_held(rec: dict[int, list[dict]], killed: int, held: int) -> dict[int, list[dict]]:
-    """`rec` with the killed rank's record completed through `held`, the last step its peers
-    finished. SIGKILLed after that step's all-reduce (so its samples went into the step) but
-    before it wrote the step down, a rank's record is one entry short: never more."""
-    entries = rec[killed]
-    last = entries[-1]
-    assert last["step"] >= held - 1, (last, held)
-    if last["step"] == held - 1:  # same world, same share of the next global batch
-        entries = [*entries, {**last, "step": held, "start": last["start"] + GLOBAL_BATCH}]
-    return {**rec, killed: entries}
+def through_held(rec: dict[int, list[dict]], held: int) -> dict[int, list[dict]]:
+    """`rec` with every rank's record completed through `held`, the newest step a survivor
+    holds (the next generation resumes from it). A rank that recorded `held` finished that
+    step's all-reduces, and an all-reduce completes on any rank only with every rank's share
+    in it: so the step's samples all went into the state the next generation takes, though a
+    rank may not have written the step down: the rank killed (after its share went out) and
+    also a survivor whose own all-reduce failed (gloo's ring: its send to the dead peer fails
+    while the rank it sent to finishes). Such a survivor parks a step behind and takes the
+    newest state from the one ahead (handover.roles). A record is one entry short: never
+    more."""
+    assert any(entries[-1]["step"] >= held for entries in rec.values()), held
+    completed = {}
+    for rank, entries in rec.items():
+        last = entries[-1]
+        assert last["step"] >= held - 1, (rank, last, held)
+        if last["step"] == held - 1:  # same world, same share of the next global batch
+            entries = [*entries, {**last, "step": held, "start": last["start"] + GLOBAL_BATCH}]
+        completed[rank] = entries
+    return completed
+
+
+def test_the_accounting_completes_only_a_step_some_rank_finished() -> None:
+    """through_held: a rank one entry short of the held step (the one killed, a survivor whose
+    last all-reduce failed) is completed with its share; two short, or a held step that no
+    rank finished, is a loss it reports."""
+
+    def entries(rank: int, upto: int) -> list[dict]:
+        return [
+            {"step": s, "start": (s - 1) * GLOBAL_BATCH + 17 * rank} for s in range(1, upto + 1)
+        ]
+
+    done = through_held({0: entries(0, 5), 1: entries(1, 4), 2: entries(2, 4)}, 5)
+    assert [e["step"] for e in done[1]] == [1, 2, 3, 4, 5] == [e["step"] for e in done[2]]
+    assert done[1][-1]["start"] == 4 * GLOBAL_BATCH + 17
+    with pytest.raises(AssertionError):
+        through_held({0: entries(0, 5), 1: entries(1, 3)}, 5)
+    with pytest.raises(AssertionError):
+        through_held({0: entries(0, 4), 1: entries(1, 4)}, 5)
 
 
 def notice_checkpoints(location: str) -> list[dict[str, Any]]:
@@ -200,7 +228,7 @@ def test_a_rank_lost_without_notice_costs_at_most_the_step_in_flight(tmp_path: P
     assert_same_weights(tmp_path / "ddp", tmp_path / "ref")
     rec0, rec1 = records(tmp_path, 0), records(tmp_path, 1)
     assert [e["step"] for e in rec1[0]] == list(range(held + 1, TOTAL_STEPS + 1))
-    assert consumed([(through_held(rec0, 2, held), held), (rec1, TOTAL_STEPS)]) == list(
+    assert consumed([(through_held(rec0, held), held), (rec1, TOTAL_STEPS)]) == list(
         range(TOTAL_STEPS * GLOBAL_BATCH)
     )
     assert not any(r.alive() for g in range(2) for r in rt._ranks("ddp", g))

@@ -34,6 +34,7 @@ from spotrain.workflows.state import JobResult, JobStatus, Phase
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SETTLE_STEPS = 10  # trained in a generation before the next reclaim
+PROGRESS_EVERY_S = 10.0  # without a terminal: a progress line at least this often
 console = Console()
 
 
@@ -111,6 +112,30 @@ def view(s: JobStatus, notes: list[str]) -> Group:
     return Group(head, nodes, *notes[-4:])
 
 
+@dataclass
+class Progress:
+    """Without a terminal (CI, a pipe, a log file) a live view shows nothing until it ends: a
+    line instead for each note, each change of phase, generation or world size, and every
+    `every_s` seconds between them."""
+
+    every_s: float = PROGRESS_EVERY_S
+    shown: tuple[str, int, int] | None = None
+    at: float = float("-inf")
+    notes: int = 0
+
+    def lines(self, s: JobStatus, notes: list[str], now: float) -> list[str]:
+        out, self.notes = notes[self.notes :], len(notes)
+        key = (str(s.phase), s.generation, s.world_size)
+        if key != self.shown or now - self.at >= self.every_s:
+            out.append(
+                f"{time.strftime('%H:%M:%S')} {s.name}: {s.phase}, generation {s.generation},"
+                f" world size {s.world_size}, step {s.step}/{s.total_steps},"
+                f" cost ${s.cost_so_far:.4f}"
+            )
+            self.shown, self.at = key, now
+        return out
+
+
 def summary(result: JobResult, elapsed: float, notice_to_durable: list[float]) -> Table:
     t = Table(title=f"{result.name}: {result.phase} in {elapsed:.0f} s", show_header=False)
     sizes = [e.world_size for e in result.timeline if e.event == "generation started"]
@@ -151,7 +176,9 @@ async def run(args: argparse.Namespace) -> int:
         )
         script, notes, reclaims = Script(args.steps), [], []
         noticed: dict[int, float] = {}  # generation -> when its notice was sent
-        with Live(console=console, refresh_per_second=4) as live:
+        live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
+        progress = Progress()
+        with live or contextlib.nullcontext():
             while True:
                 status = await handle.query("status", result_type=JobStatus)
                 plan = script.next_reclaim(status)
@@ -165,7 +192,11 @@ async def run(args: argparse.Namespace) -> int:
                         + (f"with {notice:.0f} s notice" if notice else "without notice")
                     )
                     reclaims.append(asyncio.create_task(stack.market.reclaim(node, notice)))
-                live.update(view(status, notes))
+                if live is not None:
+                    live.update(view(status, notes))
+                else:
+                    for line in progress.lines(status, notes, time.monotonic()):
+                        console.print(line, markup=False, highlight=False, soft_wrap=True)
                 if status.phase.is_final:
                     break
                 await asyncio.sleep(0.5)

@@ -1,8 +1,10 @@
 """The chaos suite's own Temporal dev server (killable, SQLite-backed) and scratch space.
-CHAOS_KEEP=1 keeps the scratch space (server and worker logs, step records) for a post-mortem."""
+CHAOS_KEEP=1 keeps the scratch space (server and worker logs, step records) for a post-mortem.
+Whatever a scenario started is stopped when it ends, passed or failed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -15,13 +17,26 @@ from .harness import ChaosEnv, TemporalServer
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def chaos_env(moto_endpoint: str) -> AsyncIterator[ChaosEnv]:
+async def chaos_session(moto_endpoint: str) -> AsyncIterator[ChaosEnv]:
     root = Path(tempfile.mkdtemp(prefix="spotrain-chaos-"))
     server = TemporalServer(root / "temporal.db", root / "temporal.log")
     server.start()
+    env = ChaosEnv(server, await server.client(), moto_endpoint, root)
     try:
-        yield ChaosEnv(server, await server.client(), moto_endpoint, root)
+        yield env
     finally:
+        await env.clean_up()
         server.kill()
         if os.environ.get("CHAOS_KEEP") != "1":
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def chaos_env(chaos_session: ChaosEnv) -> AsyncIterator[ChaosEnv]:
+    """The session's environment for one scenario: what the scenario starts (workers, jobs,
+    their ranks) is stopped when it ends, however it ends (a failed `until` never reaches
+    `supervise`, which stops the worker)."""
+    mark = chaos_session.mark()
+    yield chaos_session
+    if stopped := await chaos_session.clean_up(mark):
+        logging.getLogger(__name__).warning("stopped what the scenario left: %s", stopped)

@@ -137,6 +137,7 @@ class WorkerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        env.workers.append(self)
 
     def died(self) -> bool:
         return self.proc.poll() is not None
@@ -160,6 +161,43 @@ class ChaosEnv:
     client: Client
     moto: str
     root: Path
+    workers: list[WorkerProcess] = field(default_factory=list)  # every one started
+    jobs: list[str] = field(default_factory=list)  # every job started
+
+    def mark(self) -> tuple[int, int]:
+        """Where a scenario begins, for `clean_up`."""
+        return len(self.workers), len(self.jobs)
+
+    async def clean_up(self, since: tuple[int, int] = (0, 0)) -> list[str]:
+        """Stop what was started after `since` and still runs, however the scenario ended
+        (a failed `until` never reaches `supervise`, which stops its worker): the workers,
+        then the jobs' workflows, then their rank processes (they run in sessions of their
+        own, so a worker's end leaves them). What had to be stopped, for the log."""
+        stopped = []
+        for worker in self.workers[since[0] :]:
+            if not worker.died():
+                worker.stop()
+                stopped.append(f"worker {worker.proc.pid}")
+        for job in dict.fromkeys(self.jobs[since[1] :]):
+            with contextlib.suppress(RPCError):  # (it ended, or the server is down)
+                await self.client.get_workflow_handle(job).terminate("the scenario is over")
+                stopped.append(f"workflow {job}")
+            for pid in self.rank_processes(job):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    stopped.append(f"rank process {pid} of {job}")
+        return stopped
+
+    def rank_processes(self, job: str) -> list[int]:
+        """The live processes of `job` started by this environment's workers (a job of the
+        same name run by another test process elsewhere on the machine is not ours)."""
+        ours = f"CHAOS_RECORD_DIR={self.records(job)}\0".encode()
+        pids = []
+        for pid in job_processes(job):
+            with contextlib.suppress(OSError):
+                if ours in Path(f"/proc/{pid}/environ").read_bytes():
+                    pids.append(pid)
+        return pids
 
     @property
     def state_dir(self) -> Path:
@@ -219,6 +257,7 @@ class ChaosEnv:
 
     async def start(self, spec: dict[str, Any], task_queue: str | None = None) -> Handle:
         """The job, on its own task queue (its name) unless one is given."""
+        self.jobs.append(spec["name"])
         return await self.client.start_workflow(
             "TrainingJob",
             spec,

@@ -78,8 +78,8 @@ BAD_SPECS = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def worker(chaos_env: ChaosEnv) -> Iterator[WorkerProcess]:
-    proc = WorkerProcess(chaos_env, QUEUE)
+def worker(chaos_session: ChaosEnv) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(chaos_session, QUEUE)
     yield proc
     proc.stop()
 

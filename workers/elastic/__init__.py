@@ -247,12 +247,13 @@ def busy() -> Iterator[None]:
 def report_progress(step: int, force: bool = False) -> None:
     """Every rank, after each step (or every few): times the step in memory; unless `force`,
     writes rank 0's progress at most about once a second and this rank's step times about
-    every `STEP_TIMES_INTERVAL_S` (straggler detection needs no more)."""
+    every `STEP_TIMES_INTERVAL_S` (straggler detection needs no more), or at once after a
+    section the stuck watch wrote as in progress (`StepClock.stale`)."""
     global _last_progress, _last_step_times
     s = settings()
     now = time.monotonic()
     _clock.tick(step, now)
-    if force or now - _last_step_times >= STEP_TIMES_INTERVAL_S:
+    if force or _clock.stale() or now - _last_step_times >= STEP_TIMES_INTERVAL_S:
         _last_step_times = now
         with _clock.lock:
             store().write_rank_steps(s.generation, s.rank, _clock.record(step, time.time()))

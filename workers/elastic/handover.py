@@ -81,6 +81,11 @@ def roles(steps: list[int]) -> Roles:
     )
 
 
+def source_of(bucket: int, sources: list[int]) -> int:
+    """Striping: which source sends bucket `bucket` (every taker receives it from there)."""
+    return sources[bucket % len(sources)]
+
+
 def buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     """Tensor indices, in order, cut into buckets: a tensor of at least `bucket_bytes` alone,
     smaller neighbours packed up to `bucket_bytes`."""
@@ -128,7 +133,7 @@ def transfer(
     sizes = [t.numel() * t.element_size() for t in tensors]
     cut = buckets(sizes, BUCKET_BYTES)
     if giving:
-        mine = [b for b in range(len(cut)) if who.sources[b % len(who.sources)] == rank]
+        mine = [b for b in range(len(cut)) if source_of(b, who.sources) == rank]
         _send(tensors, cut, mine, who.takers, device)
         last.sent = sum(sizes[i] for b in mine for i in cut[b]) * len(who.takers)
     else:
@@ -224,7 +229,7 @@ def _receive(
         else:
             size = sum(tensors[i].numel() * tensors[i].element_size() for i in bucket)
             wire = torch.empty(size, dtype=torch.uint8, device=device)
-        work = dist.irecv(wire, src=sources[b % len(sources)], tag=b)
+        work = dist.irecv(wire, src=source_of(b, sources), tag=b)
         in_flight.append((bucket, wire, work))
         while len(in_flight) > WINDOW:
             _unpack(tensors, device, *in_flight.popleft())

@@ -39,6 +39,7 @@ class StepClock:
         self.busy_since: float | None = None  # epoch start of the marked section in progress
         self.written: dict[str, Any] | None = None  # the record last written
         self.noted: float | None = None  # the section in progress already written as such
+        self.stuck_written = False  # the last record written says a section is in progress
         self.lock = threading.Lock()  # one writer at a time: the loop, or the stuck watch
 
     def begin_busy(self, now: float) -> None:
@@ -71,14 +72,23 @@ class StepClock:
             return None
         if now - since < STUCK_AFTER_S:
             return None
-        self.noted = since
+        self.noted, self.stuck_written = since, True
         step = self.last[0] if self.last else self.written["step"]  # (writes are throttled)
         return {**self.written, "step": step, "busy_since": since}
+
+    def stale(self) -> bool:
+        """The last record written has a section in progress that has ended: write a new one
+        now, not at the next interval. (Under load a normal step's work can outlast
+        STUCK_AFTER_S; left standing, the record would show this rank stuck in its own work
+        while it waits in a collective, and a lockstep job's real culprit would have no peer
+        that waits.)"""
+        return self.stuck_written and self.busy_since != self.noted
 
     def record(self, step: int, wall_time: float) -> dict[str, Any]:
         """What the store keeps for this rank: its step, when (epoch seconds), and the recent
         and usual seconds per step (None until known)."""
         recent, usual = list(self.recent), self.first[WARMUP_STEPS:]
+        self.stuck_written = False
         self.written = {
             "step": step,
             "time": wall_time,

@@ -1,0 +1,204 @@
+"""Break each guarded behaviour on purpose, one at a time, and check that the fast unit tests
+named for it fail (the list is tests/breaks.py: the planner's effect of every documented spec
+field, webhook auth, notice times, EC2 ownership, the live rank hand-over).
+
+Every break is applied to a private copy of the repository in a temporary folder, never to the
+working tree, so an interrupted run or a test of another xdist worker never sees broken code.
+The copy is imported through a `spotrain` package of links that PYTHONPATH puts before the
+editable install, and with no bytecode written (a break and its undo can leave a file of the
+same size in the same second). A break counts as caught when a named test FAILS (exit code 1
+with a FAILED line): an error, a collection failure or a timeout is not a catch. A control run
+of every named test on the unbroken copy must pass, or a catch would mean nothing.
+
+Run alone: `.venv/bin/python -m pytest -q tests/test_breaks.py` (`-k planner` for some); the
+terminal summary lists every break caught, with its time and the test that caught it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Queue
+
+import pytest
+
+from tests.breaks import BREAKS, Break
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = {  # the import name's last part -> the folder (pyproject's package-dir)
+    "workflows": "workflows",
+    "activities": "activities",
+    "workers": "workers",
+    "elastic": "workers/elastic",
+}
+SKIP = shutil.ignore_patterns(
+    ".git", ".venv", ".ci", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", ".ruff*"
+)
+# Two at a time: most named tests are pure and the cost is pytest's start (about 2 s each).
+JOBS = int(os.environ.get("SPOTRAIN_BREAK_JOBS", "2"))
+RUN_TIMEOUT_S = 280
+# A test here waits for its run, which may wait its turn behind others on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
+# Plugins no named test needs: a quarter of each run's start-up (the control run would fail
+# if one did).
+UNUSED_PLUGINS = [f"-pno:{name}" for name in ("cacheprovider", "xdist", "schemathesis", "anyio")]
+FAILED = re.compile(r"^FAILED (\S+)", re.M)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int
+    failed: list[str]
+    seconds: float
+    tail: str
+
+
+def copy_repo(into: Path) -> Path:
+    """The repository's sources and tests, and `_site/spotrain/<pkg>` links into them."""
+    root = into / "repo"
+    shutil.copytree(REPO, root, ignore=SKIP, symlinks=True)
+    site = root / "_site" / "spotrain"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    for name, folder in PACKAGES.items():
+        (site / name).symlink_to(root / folder, target_is_directory=True)
+    return root
+
+
+def run_pytest(root: Path, tests: list[str]) -> Outcome:
+    """The named tests in the copy at `root`, in a session of their own: on a timeout the
+    whole group goes (a test's own subprocesses, e.g. gloo ranks, included)."""
+    env = {**os.environ, "PYTHONPATH": str(root / "_site"), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", *UNUSED_PLUGINS, *tests]
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return Outcome(-1, [], time.monotonic() - started, f"timed out\n{out[-1500:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (anything it left behind)
+            os.killpg(proc.pid, signal.SIGKILL)
+    return Outcome(proc.returncode, FAILED.findall(out), time.monotonic() - started, out[-1500:])
+
+
+def apply_and_run(root: Path, brk: Break) -> Outcome:
+    """`brk` applied to the copy at `root`, its named tests run, the file restored."""
+    path = root / brk.path
+    original = path.read_text()
+    broken = original
+    for old, new in brk.edits:
+        assert broken.count(old) == 1, f"{brk.name}: {old!r} not found once in {brk.path}"
+        broken = broken.replace(old, new)
+    path.write_text(broken)
+    try:
+        return run_pytest(root, list(brk.tests))
+    finally:
+        path.write_text(original)
+
+
+def is_caught(brk: Break, outcome: Outcome) -> bool:
+    """A named test failed (not an error, not a timeout)."""
+    return outcome.returncode == 1 and any(
+        f == t or f.startswith(t + "[") or f.startswith(t + "::")
+        for f in outcome.failed
+        for t in brk.tests
+    )
+
+
+@pytest.fixture(scope="module")
+def outcomes(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[Outcome]]]:
+    """Runs the selected breaks (and the control run) in JOBS private copies at once."""
+    selected = {
+        item.callspec.params["brk"].name
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    todo = [b for b in BREAKS if b.name in selected and b.matches(REPO)]
+    copies: Queue[Path] = Queue()
+    for n in range(JOBS):
+        copies.put(copy_repo(tmp_path_factory.mktemp(f"breaks-{n}")))
+
+    def in_a_copy(brk: Break | list[str]) -> Outcome:
+        root = copies.get()
+        try:
+            return run_pytest(root, brk) if isinstance(brk, list) else apply_and_run(root, brk)
+        finally:
+            copies.put(root)
+
+    by_file: dict[str, set[str]] = {}  # the control runs: a file's named tests at a time
+    for t in (t for b in todo for t in b.tests):
+        by_file.setdefault(t.split("::")[0], set()).add(t)
+    with ThreadPoolExecutor(JOBS) as pool:
+        futures = {f"control {f}": pool.submit(in_a_copy, sorted(ts)) for f, ts in by_file.items()}
+        futures |= {b.name: pool.submit(in_a_copy, b) for b in todo}
+        yield futures
+        for future in futures.values():
+            future.cancel()
+
+
+def test_every_break_matches_todays_code() -> None:
+    """A break whose text is no longer in its file tests nothing: fix the break."""
+    stale = [f"{b.name} ({b.path})" for b in BREAKS if not b.matches(REPO)]
+    assert not stale, f"breaks that no longer match the code: {stale}"
+
+
+def test_the_copy_imports_its_own_code(tmp_path: Path) -> None:
+    """Else every break would run against the working tree's unbroken code."""
+    root = copy_repo(tmp_path)
+    code = "import spotrain.workflows.job_planner as m, spotrain.elastic as e; print(m.__file__)"
+    code += "; print(e.__file__)"
+    env = {**os.environ, "PYTHONPATH": str(root / "_site"), "PYTHONDONTWRITEBYTECODE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert [Path(p).resolve().is_relative_to(root.resolve()) for p in out] == [True, True], out
+
+
+def test_the_named_tests_pass_on_the_unbroken_copy(
+    outcomes: dict[str, Future[Outcome]],
+) -> None:
+    failed = {
+        name: outcome.tail
+        for name, future in outcomes.items()
+        if name.startswith("control ") and (outcome := future.result()).returncode != 0
+    }
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("brk", BREAKS, ids=[b.name for b in BREAKS])
+def test_the_break_is_caught(
+    brk: Break, outcomes: dict[str, Future[Outcome]], record_property: pytest.RecordProperty
+) -> None:
+    if not brk.matches(REPO):
+        pytest.fail(f"{brk.name}: its text is not in {brk.path} (see the test above)")
+    outcome = outcomes[brk.name].result()
+    assert is_caught(brk, outcome), (
+        f"{brk.name}: {'SURVIVED' if outcome.returncode == 0 else 'not a clean catch'} "
+        f"(exit {outcome.returncode})\n{outcome.tail}"
+    )
+    line = f"caught  {brk.name:48s} {outcome.seconds:5.1f}s  {outcome.failed[0]}"
+    record_property("break_report", line)

@@ -1,0 +1,48 @@
+"""The suite's own settings (tests/conftest.py): hypothesis keeps no wall-clock deadline, and a
+failing `==` on a long list explains itself in a few lines."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.assert_diff import MAX_RUNS
+
+
+@settings(max_examples=2)
+@given(st.just(0))  # (nothing to shrink: a deadline fails it at once)
+def test_a_slow_example_is_not_a_failure(n: int) -> None:
+    """An example slower than hypothesis' default 200 ms deadline, as a loaded machine makes
+    any: it must not fail the test (SPOTRAIN_HYPOTHESIS_PROFILE=timed makes it fail)."""
+    time.sleep(0.25)
+
+
+def failure_of(left: object, right: object) -> str:
+    with pytest.raises(AssertionError) as caught:
+        assert left == right
+    return str(caught.value)
+
+
+def test_a_long_list_that_differs_says_where_in_a_few_lines() -> None:
+    consumed = [f"sample-{i:04d}" for i in range(2000)]
+    expected = list(consumed)
+    del consumed[1700:1717]  # one rank's share of one step never consumed
+    consumed[40] = "sample-9999"
+    message = failure_of(consumed, expected)
+    assert len(message.splitlines()) <= 8 and "truncated" not in message, message
+    assert "list of 1983 items == list of 2000 items" in message
+    assert "0 only on the left, 17 only on the right, 1 changed" in message
+    assert "left[40] ['sample-9999'] != right[40] ['sample-0040']" in message
+    assert "right[1700:1717] not on the left: ['sample-1700'," in message
+    assert "... 13 more]" in message
+
+
+def test_many_runs_are_cut_and_short_lists_keep_pytests_own() -> None:
+    left = list(range(100))
+    right = [x + 1 if x % 10 == 0 else x for x in left]
+    message = failure_of(left, right)
+    assert f"... {10 - MAX_RUNS} more runs" in message and "truncated" not in message
+    assert "At index 1 diff" in failure_of([0, 1, 2], [0, 2, 2])
