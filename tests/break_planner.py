@@ -13,6 +13,7 @@ from pathlib import Path
 JP = Path("workflows/job_planner.py")
 PL = Path("workflows/planner.py")
 MB = Path("workflows/make_before_break.py")
+WR = Path("workflows/warning_rule.py")
 
 M = [
     (
@@ -215,6 +216,32 @@ M = [
         "if w.deadline is not None and swap_by(state, w.deadline) <= now]",
         "if False]",
     ),
+    (
+        "warning rule: a notice that swaps leaves nothing to gain",
+        WR,
+        "resizes_avoided = 0 if case.notice_swaps else 1",
+        "resizes_avoided = 1",
+    ),
+    (
+        "warning rule: a false positive pays the swap's pause",
+        WR,
+        "case.surge_price_h * case.boot_s / 3600 + pause_usd)",
+        "case.surge_price_h * case.boot_s / 3600)",
+    ),
+    ("warning_reclaim_probability", WR, "p=e.warning_reclaim_probability,", "p=0.5,"),
+    (
+        "warning rule: every member's price",
+        WR,
+        "members_price_h=sum(n.price for n in state.member_nodes),",
+        "members_price_h=state.member_nodes[0].price,",
+    ),
+    ("warning_rule: always", WR, 'if state.spec.elastic.warning_rule == "always":', "if False:"),
+    (
+        "warning rule: the notice swaps only if the boot fits",
+        WR,
+        "and swap_window >= BOOT_S",
+        "",
+    ),
 ]
 
 
@@ -241,6 +268,7 @@ def main() -> int:
                     "tests/test_planner_job.py",
                     "tests/test_planner.py",
                     "tests/test_make_before_break_planner.py",
+                    "tests/test_warning_rule.py",
                 ],
                 capture_output=True,
                 text=True,
