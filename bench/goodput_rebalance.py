@@ -10,10 +10,11 @@ The benchmark plays the cloud: each drop in the trace is preceded, one lead earl
 recommendation to the nodes it will take (if the job already holds them), and each true
 recommendation brings a geometric number of false ones (mean fp / (1 - fp)) to other spot
 nodes the job holds at that moment, any zone (in one zone, a drop to zero leaves no node the
-trace will not take). A false one may still come true: the trace takes what it takes. So the
-row counts what came of them (`report`): the false ones (sent to nodes no drop was due to
-take), and the recommended nodes reclaimed within the longest lead after their
-recommendation. Pure apart from its seeded random stream."""
+trace will not take); those that find no such node yet go with the next true one. A false
+one may still come true: the trace takes what it takes. So the row counts what came of them
+(`report`): the false ones (sent to nodes no drop was due to take), and the recommended
+nodes reclaimed within the longest lead after their recommendation. Pure apart from its
+seeded random stream."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class Recommendations:
     sent: dict[str, float] = field(default_factory=dict)  # node -> when recommended
     doomed: set[str] = field(default_factory=set)  # recommended because a drop will take it
     taken: set[str] = field(default_factory=set)  # recommended, then reclaimed by the cloud
+    owed: int = 0  # false recommendations drawn that found no node yet: sent at the next chance
 
     def __post_init__(self) -> None:
         self.rng = random.Random(f"rebalance-{self.seed}")
@@ -77,8 +79,9 @@ class Recommendations:
         recommended) and false recommendations among `others` (the job's other spot nodes)."""
         fresh = [n for n in doomed if n not in self.sent]
         spare = sorted(n for n in others if n not in self.sent and n not in doomed)
-        k = min(len(spare), sum(false_count(self.fp_rate, self.rng) for _ in fresh))
-        false = self.rng.sample(spare, k)
+        self.owed += sum(false_count(self.fp_rate, self.rng) for _ in fresh)
+        false = self.rng.sample(spare, min(len(spare), self.owed))
+        self.owed -= len(false)
         self.doomed |= set(fresh)
         self.sent |= dict.fromkeys(fresh + false, now)
         return fresh + false

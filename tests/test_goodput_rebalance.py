@@ -58,6 +58,17 @@ def test_send_recommends_each_node_once_and_counts_what_was_taken() -> None:
     assert [w[1:] for w in r.warnings([(100.0, "z"), (10**6, "z")])] == [("z", 10**6)]
 
 
+def test_false_recommendations_without_a_node_to_go_to_wait_for_the_next_chance() -> None:
+    r = Recommendations(fp_rate=0.9, seed=4)
+    assert r.send(["i-0"], ["i-0"], 0.0) == ["i-0"]  # no other node: owed
+    assert r.owed > 0
+    sent = r.send(["i-1"], ["i-1", "i-2", "i-3"], 60.0)
+    false = sent[1:]
+    assert sent[0] == "i-1" and set(false) <= {"i-2", "i-3"} and false  # the owed ones go
+    assert len(false) == 2 or r.owed == 0  # as many as there are nodes for
+    assert r.report()["false"] == len(false)
+
+
 def test_the_benchmark_with_recommendations(tmp_path: Path) -> None:
     """Every warning true, 10 min ahead: plain elastic ignores them (each warned node is the
     one its drop takes), acting on every warning swaps nodes out, the product's rule (the
