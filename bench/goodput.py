@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import heapq
-import itertools
 import logging
 import os
 import time
@@ -26,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,8 @@ from spotrain.workflows.state import JobResult, JobStatus
 from .common import REPO, load_traces, publish, table
 from .goodput_harness import RowLog, RunFn, Wedged, on_fresh_server
 from .goodput_live import lognormal_boot, measured_live_pauses
-from .goodput_model import Row, Setup, all_on_demand, fixed_restart, oracle
+from .goodput_model import Row, Setup, all_on_demand, fixed_restart, oracle, plot
+from .goodput_rebalance import Recommendations
 
 INSTANCE_TYPE = "p3.2xlarge"
 COLUMNS = [
@@ -61,11 +61,15 @@ COLUMNS = [
     "wall_vs_oracle",
     "cost",
     "cost_vs_on_demand",
+    "usd_per_work_nh",
     "goodput",
     "spot_node_h",
     "on_demand_node_h",
     "steps_lost",
     "swapped",
+    "recommended",
+    "recommended_false",
+    "recommended_taken",
     "resizes_per_reclaim",
     "pause_s_per_reclaim",
     "pause_s_per_reclaim_with_capacity",
@@ -127,7 +131,7 @@ class Run:
     runtime: RecordingRuntime
     task_queue: str
     t0: datetime
-    warned: set[str] = field(default_factory=set)  # sent a rebalance recommendation
+    rebalance: Recommendations | None = None  # sent ahead of drops (`setup.rebalance`)
 
     async def elapsed_s(self) -> float:
         return (await self.env.get_current_time() - self.t0).total_seconds()
@@ -160,33 +164,33 @@ class Run:
         """Reclaim nodes as the trace drops until the job closes (True), or until the
         controller returns None (False): it takes over from there."""
         horizon = 10 * max(t.span_s for t in self.setup.traces)
-        events = [(o, "drop", t.zone) for t in self.setup.traces for o in t.drops(horizon)]
-        lead = self.setup.rebalance_lead_s
-        if lead > 0:
-            events += [(o - lead, "warn", z) for o, _, z in events if o >= lead]
-        events += [(0.0, "check", "")] if controller else []
+        drops = [(o, t.zone) for t in self.setup.traces for o in t.drops(horizon)]
+        events = [(o, "drop", z, o) for o, z in drops]
+        if self.rebalance is not None:
+            events += [(w, "warn", z, o) for w, z, o in self.rebalance.warnings(drops)]
+        events += [(0.0, "check", "", 0.0)] if controller else []
         heapq.heapify(events)
         reclaiming: set[str] = set()
         while events:
-            offset, kind, what = heapq.heappop(events)
+            offset, kind, what, at = heapq.heappop(events)
             await self.sleep_until(offset)
             if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
                 return True
-            if kind == "warn":  # the nodes the drop will take, warned `lead` ahead
-                for node_id in self._victims(what, offset + lead, reclaiming | self.warned):
-                    self.warned.add(node_id)
-                    notice = {"node_id": node_id, "kind": "rebalance"}
-                    await handle.signal("reclaim", notice | {"event_id": f"w-{node_id}"})
+            if kind == "warn" and self.rebalance is not None:
+                await self._recommend(handle, what, (offset, at), reclaiming)
             elif kind == "drop":
                 for node_id in self._victims(what, offset, reclaiming):
                     reclaiming.add(node_id)
+                    if self.rebalance is not None:
+                        self.rebalance.reclaimed(node_id, offset)
                     if self.setup.notice_s > 0:
                         deadline = await self.env.get_current_time() + timedelta(
                             seconds=self.setup.notice_s
                         )
                         notice = {"node_id": node_id, "deadline": deadline.isoformat()}
                         await handle.signal("reclaim", notice | {"event_id": f"r-{node_id}"})
-                        heapq.heappush(events, (offset + self.setup.notice_s, "gone", node_id))
+                        gone = offset + self.setup.notice_s
+                        heapq.heappush(events, (gone, "gone", node_id, gone))
                     else:
                         await self._take(handle, node_id)
             elif kind == "gone":
@@ -195,20 +199,41 @@ class Run:
                 next_check = await controller(offset)
                 if next_check is None:
                     return False
-                heapq.heappush(events, (next_check, "check", ""))
+                heapq.heappush(events, (next_check, "check", "", next_check))
         await handle.terminate("the trace ran out before the job finished")
         raise RuntimeError(f"{handle.id} did not finish within 10 spans of the trace")
 
+    async def _recommend(
+        self,
+        handle: WorkflowHandle[Any, Any],
+        zone: str,
+        when: tuple[float, float],
+        reclaiming: set[str],
+    ) -> None:
+        """Recommendations now to the nodes the drop will take (`when`: now, the drop), and
+        false ones to the job's other spot nodes (`goodput_rebalance`)."""
+        assert self.rebalance is not None
+        now, drop_at = when
+        doomed = self._victims(zone, drop_at, reclaiming)
+        spot = [n for z in self.cloud.zones for n in self._spot(z, reclaiming)]
+        for node_id in self.rebalance.send(doomed, spot, now):
+            notice = {"node_id": node_id, "kind": "rebalance"}
+            await handle.signal("reclaim", notice | {"event_id": f"w-{node_id}"})
+
+    def _spot(self, zone: str, reclaiming: set[str]) -> list[str]:
+        return [
+            n.node_id
+            for n in self.cloud.running()
+            if n.lifecycle == "spot" and n.zone == zone and n.node_id not in reclaiming
+        ]
+
     def _victims(self, zone: str, offset: float, reclaiming: set[str]) -> list[str]:
-        """The spot nodes above the zone's capacity at `offset`: those warned first, then
-        the newest."""
+        """The spot nodes above the zone's capacity at `offset`: those a true recommendation
+        named first, then the newest."""
+        doomed = self.rebalance.doomed if self.rebalance is not None else set()
         held = sorted(
-            (
-                n.node_id
-                for n in self.cloud.running()
-                if n.lifecycle == "spot" and n.zone == zone and n.node_id not in reclaiming
-            ),
-            key=lambda node_id: (node_id in self.warned, node_id),
+            self._spot(zone, reclaiming),
+            key=lambda node_id: (node_id in doomed, node_id),
             reverse=True,
         )
         return held[: max(0, len(held) - self.setup.capacity(zone, offset))]
@@ -269,24 +294,41 @@ class Run:
             run_s=time.monotonic() - began,
             series=[((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds],
             startup_s=sum(g.startup_s for g in gens[1:]),
+            **self._recommendations(),
         )
+
+    def _recommendations(self) -> dict[str, int]:
+        if self.rebalance is None:
+            return {}
+        counts = self.rebalance.report()
+        return {
+            "recommended": counts["recommended"],
+            "recommended_false": counts["false"],
+            "recommended_taken": counts["followed_by_reclaim"],
+        }
 
 
 MAKE_BEFORE_BREAK = {"early_warning": "make_before_break", "reclaim_notice": "make_before_break"}
+# the make-before-break twins: the product's (a warning weighed by its rule), and with
+# `--rebalance` one that acts on every warning, as before the rule
+TWINS: dict[str, dict[str, Any]] = {
+    " +mbb": MAKE_BEFORE_BREAK,
+    " +mbb always": MAKE_BEFORE_BREAK | {"warning_rule": "always"},
+}
 
 
 def job_spec(
     setup: Setup,
     name: str,
     deadline: dict[str, Any] | None = None,
-    mbb: bool = False,
+    mbb: dict[str, Any] | None = None,
     **on_demand: Any,
 ) -> dict[str, Any]:
     """The benchmark's job; progress and capacity checks at the trace's tick keep the
-    workflow's tasks per simulated hour few. `mbb`: make-before-break on warnings and notices
-    (else the defaults: a warning is ignored, a notice shrinks)."""
+    workflow's tasks per simulated hour few. `mbb`: the make-before-break policy (a `TWINS`
+    value; else the defaults: a warning is ignored, a notice shrinks)."""
     tick = setup.tick_s
-    policy = MAKE_BEFORE_BREAK | {"max_surge_nodes": setup.max_surge_nodes} if mbb else {}
+    policy = mbb | {"max_surge_nodes": setup.max_surge_nodes} if mbb else {}
     return {
         "deadline": deadline,
         "name": name,
@@ -331,6 +373,13 @@ async def new_run(env: WorkflowEnvironment, setup: Setup) -> AsyncIterator[Run]:
         boot_s=lognormal_boot(setup.boot_median_s, setup.boot_sigma, setup.seed),
     )
     run = Run(env, setup, cloud, RecordingRuntime(setup), uuid.uuid4().hex, t0)
+    if setup.rebalance:
+        run.rebalance = Recommendations(
+            setup.rebalance_fp_rate,
+            setup.rebalance_lead_min_s,
+            setup.rebalance_lead_max_s,
+            setup.seed,
+        )
     with ThreadPoolExecutor(max_workers=8) as pool:
         async with workflow_worker(
             env.client,
@@ -346,7 +395,7 @@ async def spotrain(
     setup: Setup,
     policy: str,
     deadline: dict[str, Any] | None = None,
-    mbb: bool = False,
+    mbb: dict[str, Any] | None = None,
     **on_demand: Any,
 ) -> Row:
     began = time.monotonic()
@@ -361,23 +410,30 @@ async def spotrain(
 # --- the benchmark ---------------------------------------------------------------------------
 
 
-def spotrain_runs(setup: Setup, deadline: bool, mbb: bool = True) -> list[tuple[str, RunFn]]:
-    """spotrain's policies, each followed by its make-before-break twin (`mbb`), then the
+def spotrain_runs(
+    setup: Setup, deadline: bool, mbb: bool = True, only: tuple[str, ...] = ()
+) -> list[tuple[str, RunFn]]:
+    """spotrain's policies (those named in `only`, if any), each followed by its
+    make-before-break twins (`mbb`; the second only with rebalance recommendations), then the
     deadline policies."""
     policies: list[tuple[str, dict[str, Any]]] = [
         ("spotrain elastic", {}),
         ("spotrain +fallback", {"fallback": True}),
         ("spotrain +od-base", {"base_nodes": setup.base_nodes}),
     ]
+    twins: list[tuple[str, dict[str, Any] | None]] = [("", None)]
+    if mbb:
+        twins += list(TWINS.items())[: 2 if setup.rebalance else 1]
     runs: list[tuple[str, RunFn]] = [
         (
-            name + (" +mbb" if twin else ""),
-            lambda env, name=name, twin=twin, opts=opts: spotrain(
-                env, setup, name + (" +mbb" if twin else ""), None, twin, **opts
+            name + suffix,
+            lambda env, name=name + suffix, twin=twin, opts=opts: spotrain(
+                env, setup, name, None, twin, **opts
             ),
         )
         for name, opts in policies
-        for twin in ([False, True] if mbb else [False])
+        if not only or name.removeprefix("spotrain ") in only
+        for suffix, twin in twins
     ]
     if deadline:
         from .deadline_sweep import deadline_runs  # (it builds on this module)
@@ -392,6 +448,7 @@ async def benchmark(
     mbb: bool = True,
     modes: tuple[str, ...] = ("live",),
     log: RowLog | None = None,
+    only: tuple[str, ...] = (),
 ) -> list[Row]:
     """Every policy on the same trace and work: the baselines, then spotrain's runs in each
     resize mode of `modes` (the first unmarked, the others' policies marked with theirs),
@@ -408,44 +465,13 @@ async def benchmark(
         log.write(row.report(setup, rows[0].wall_h, rows[0].idle()))
     for mode in modes:
         at = replace(setup, resize=mode)
-        for policy, run in spotrain_runs(at, deadline, mbb):
+        for policy, run in spotrain_runs(at, deadline, mbb, only):
             name = policy + ("" if mode == modes[0] else f" ({mode})")
             row = await on_fresh_server(at, name, run)
             row.policy = name
             log.write(row.report(setup, rows[0].wall_h, rows[0].idle()))
             rows.append(row)
     return rows
-
-
-def plot(setup: Setup, rows: list[Row], path: Path) -> None:
-    """World size over time per policy, over the capacity the trace offers (grey)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    end_h = max(r.wall_h for r in rows)
-    fig, axes = plt.subplots(len(rows), 1, sharex=True, figsize=(11, 1.4 * len(rows) + 1))
-    offered = list(itertools.takewhile(lambda s: s[0] <= end_h * 3600, setup.segments()))
-    for ax, row in zip(axes, rows, strict=True):
-        ax.fill_between(
-            [s[0] / 3600 for s in offered],
-            [s[2] for s in offered],
-            step="post",
-            color="0.85",
-            label="spot offered",
-        )
-        times = [t for t, _ in row.series] + [row.wall_h]
-        worlds = [w for _, w in row.series] + [0]
-        ax.step(times, worlds, where="post", color="C0", label="world size")
-        ax.set_ylim(0, setup.max_nodes * 1.1)
-        ax.set_ylabel(row.policy, rotation=0, ha="right", va="center", fontsize=8)
-        ax.axvline(setup.deadline_s() / 3600, color="C3", lw=0.8, ls="--")
-    axes[-1].set_xlabel("hours (dashed: deadline)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
@@ -470,7 +496,9 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         "notice_s",
         "checkpoint_s",
         "grace_s",
-        "rebalance_lead_s",
+        "rebalance_fp_rate",
+        "rebalance_lead_min_s",
+        "rebalance_lead_max_s",
         "max_surge_nodes",
         "state_gb",
         "boot_median_s",
@@ -499,6 +527,18 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
     p.add_argument("--no-deadline", action="store_true", help="skip the deadline policies")
     p.add_argument("--no-mbb", action="store_true", help="skip the make-before-break rows")
     p.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="rebalance recommendations ahead of drops, false ones too (the --rebalance-* "
+        "flags; default: the published sample), and a '+mbb always' twin",
+    )
+    p.add_argument(
+        "--only",
+        default="",
+        metavar="P,P,...",
+        help="only these spotrain policies: elastic, +fallback, +od-base",
+    )
+    p.add_argument(
         "--deadline-factors",
         default="",
         metavar="F,F,...",
@@ -516,9 +556,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     began = time.monotonic()
     modes = ("live", "restart") if args.resize == "both" else (args.resize,)
     log = RowLog(args.out / "goodput_rows.jsonl")
-    rows = asyncio.run(
-        benchmark(setup, deadline=not args.no_deadline, mbb=not args.no_mbb, modes=modes, log=log)
-    )
+    only = tuple(p for p in args.only.split(",") if p)
+    rows = asyncio.run(benchmark(setup, not args.no_deadline, not args.no_mbb, modes, log, only))
     sweep = None
     if args.deadline_factors:
         from .deadline_sweep import sweep as deadline_sweep  # (it builds on this module)

@@ -1,6 +1,6 @@
-"""The goodput benchmark's setup (trace, job, progress model, prices), its result rows, and
-the baselines: small pure-Python models over the same trace, progress model, restart cost and
-lost-work rule as spotrain's runs (bench/goodput.py)."""
+"""The goodput benchmark's setup (trace, job, progress model, prices), its result rows and
+their plot, and the baselines: small pure-Python models over the same trace, progress model,
+restart cost and lost-work rule as spotrain's runs (bench/goodput.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .common import REPO, Trace
+from .goodput_rebalance import FP_RATE, LEAD_MAX_S, LEAD_MIN_S
 
 Series = list[tuple[float, int]]  # (hours since start, world size) at each change
 
@@ -37,7 +39,10 @@ class Setup:
     notice_s: float = 120.0
     checkpoint_s: float = field(default_factory=lambda: measured_checkpoint_s())
     grace_s: float = 60.0  # the job's graceful_shutdown_timeout_s
-    rebalance_lead_s: float = 0.0  # a rebalance recommendation this long before each reclaim
+    rebalance: bool = False  # rebalance recommendations ahead of drops, false ones too
+    rebalance_fp_rate: float = FP_RATE  # share never followed by a reclaim (sample: 15 of 30)
+    rebalance_lead_min_s: float = LEAD_MIN_S  # a true one's lead: log-uniform, 17 min ...
+    rebalance_lead_max_s: float = LEAD_MAX_S  # ... to 8 h 42 min (the published sample)
     max_surge_nodes: int = 1  # make-before-break rows: the overlap may exceed max_nodes by this
     spot_price: float = 0.9701
     on_demand_price: float = 3.06
@@ -137,6 +142,9 @@ class Row:
     retries: int = 0  # runs of this policy abandoned on a wedged test server
     series: Series = field(default_factory=list)
     startup_s: float = 0.0  # start-ups (restart) and pauses (live) after the first start
+    recommended: int = 0  # nodes sent a rebalance recommendation
+    recommended_false: int = 0  # ... though no drop was due to take them
+    recommended_taken: int = 0  # ... that the cloud took within the longest lead
 
     def idle(self) -> list[tuple[float, float]]:
         """(from h, to h) spans with no generation running, after the first start."""
@@ -168,6 +176,7 @@ class Row:
             "wall_vs_oracle": self.wall_h / oracle_wall_h,
             "cost": cost,
             "cost_vs_on_demand": cost / od,
+            "usd_per_work_nh": cost / setup.work_node_hours,
             "goodput": setup.work_node_hours / (self.spot_node_h + self.on_demand_node_h),
             "spot_node_h": self.spot_node_h,
             "on_demand_node_h": self.on_demand_node_h,
@@ -175,6 +184,9 @@ class Row:
             "resizes": self.resizes,
             "reclaims": self.reclaims,
             "swapped": self.swapped,
+            "recommended": self.recommended,
+            "recommended_false": self.recommended_false,
+            "recommended_taken": self.recommended_taken,
             "resizes_per_reclaim": self.resizes / self.reclaims if self.reclaims else None,
             "pause_s_per_reclaim": 3600 * self.pause_h() / self.reclaims if self.reclaims else None,
             "pause_s_per_reclaim_with_capacity": (
@@ -260,3 +272,34 @@ def all_on_demand(setup: Setup) -> Row:
     hours = setup.on_demand_hours()
     series = [(0.0, setup.max_nodes), (hours, 0)]
     return Row("on-demand", "model", hours, 0.0, setup.max_nodes * hours, series=series)
+
+
+def plot(setup: Setup, rows: list[Row], path: Path) -> None:
+    """World size over time per policy, over the capacity the trace offers (grey)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    end_h = max(r.wall_h for r in rows)
+    fig, axes = plt.subplots(len(rows), 1, sharex=True, figsize=(11, 1.4 * len(rows) + 1))
+    offered = list(itertools.takewhile(lambda s: s[0] <= end_h * 3600, setup.segments()))
+    for ax, row in zip(axes, rows, strict=True):
+        ax.fill_between(
+            [s[0] / 3600 for s in offered],
+            [s[2] for s in offered],
+            step="post",
+            color="0.85",
+            label="spot offered",
+        )
+        times = [t for t, _ in row.series] + [row.wall_h]
+        worlds = [w for _, w in row.series] + [0]
+        ax.step(times, worlds, where="post", color="C0", label="world size")
+        ax.set_ylim(0, setup.max_nodes * 1.1)
+        ax.set_ylabel(row.policy, rotation=0, ha="right", va="center", fontsize=8)
+        ax.axvline(setup.deadline_s() / 3600, color="C3", lw=0.8, ls="--")
+    axes[-1].set_xlabel("hours (dashed: deadline)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

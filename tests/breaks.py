@@ -518,4 +518,47 @@ SUITE_BREAKS = [
     ),
 ]
 
-BREAKS = PLANNER_BREAKS + AUTH_BREAKS + NOTICE_BREAKS + EC2_BREAKS + HANDOVER_BREAKS + SUITE_BREAKS
+# --- make-before-break's warning rule (workflows/warning_rule.py) --------------------------------
+WR = "workflows/warning_rule.py"
+WRT = ("tests/test_warning_rule.py",)
+WARNING_RULE_BREAKS = [
+    Break(
+        "warning rule: a false positive pays the swap's pause",
+        WR,
+        "case.surge_price_h * case.boot_s / 3600 + pause_usd)",
+        "case.surge_price_h * case.boot_s / 3600)",
+        WRT,
+    ),
+    Break("warning_reclaim_probability", WR, "p=e.warning_reclaim_probability,", "p=0.5,", WRT),
+    Break(
+        "warning rule: every member's price",
+        WR,
+        "members_price_h=sum(n.price for n in state.member_nodes),",
+        "members_price_h=state.member_nodes[0].price,",
+        WRT,
+    ),
+    Break(
+        "warning_rule: always",
+        WR,
+        'if state.spec.elastic.warning_rule == "always":',
+        "if False:",
+        WRT,
+    ),
+    Break(
+        "warning rule: the notice swaps only if the boot fits",
+        WR,
+        "and swap_window >= BOOT_S",
+        "",
+        WRT,
+    ),
+]
+
+BREAKS = (
+    WARNING_RULE_BREAKS
+    + PLANNER_BREAKS
+    + AUTH_BREAKS
+    + NOTICE_BREAKS
+    + EC2_BREAKS
+    + HANDOVER_BREAKS
+    + SUITE_BREAKS
+)

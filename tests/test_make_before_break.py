@@ -33,6 +33,7 @@ from .jobs import sizes as world_sizes
 
 Handle = WorkflowHandle[Any, Any]
 MBB = {"early_warning": "make_before_break", "reclaim_notice": "make_before_break"}
+ALWAYS = {"warning_rule": "always"}  # the swap's mechanics, whatever a warning is worth
 SURGE = {"max_surge_nodes": 1}
 
 
@@ -80,7 +81,7 @@ async def test_one_resize_per_warned_node_with_make_before_break_two_without(
     async with simulated(ts_env.client) as sim:
         before, _ = await run_one_reclaim(ts_env, sim, without, kind)
     async with simulated(ts_env.client) as sim:
-        after, victim = await run_one_reclaim(ts_env, sim, MBB | SURGE, kind)
+        after, victim = await run_one_reclaim(ts_env, sim, MBB | SURGE | ALWAYS, kind)
         released = sim.cloud.nodes[victim].info.reason
     assert (world_sizes(before), before.resizes) == ([4, 3, 4], 2)
     assert (world_sizes(after), after.resizes, after.swapped) == ([4, 4], 1, 1)
@@ -151,7 +152,7 @@ async def test_no_room_for_the_overlap_at_max_nodes_without_surge(
     """At max_nodes with max_surge_nodes 0, a warning orders nothing: training goes on at 4,
     and the status says why."""
     async with simulated(ts_env.client) as sim:
-        handle = await sim.start(job_spec(elastic=MBB))
+        handle = await sim.start(job_spec(elastic=MBB | ALWAYS))
         await ts_env.sleep(timedelta(minutes=20))
         victim = ranked(await sim.status(handle))[0]
         await warn(ts_env, handle, victim, "rebalance", None)
@@ -167,7 +168,7 @@ async def test_no_room_for_the_overlap_at_max_nodes_without_surge(
 
 async def test_make_before_break_swap_on_the_dev_server(dev_env: WorkflowEnvironment) -> None:
     """The swap in real time, crossing continue-as-new; its history is replayed in CI."""
-    spec = fast_spec(elastic=MBB | SURGE)
+    spec = fast_spec(elastic=MBB | SURGE | ALWAYS)
     async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
         handle = await sim.start(spec)
         before = await until(sim, handle, lambda s: running_at(4)(s) and s.step > 50)

@@ -223,6 +223,18 @@ class ElasticPolicy(Strict):
         description="nodes a make-before-break replacement may hold beyond max_nodes while it "
         "overlaps the warned node (0: only below max_nodes); a pool's grant is never exceeded",
     )
+    warning_rule: Literal["expected_gain", "always"] = Field(
+        "expected_gain",
+        description="make_before_break on an early warning: act only when the expected gain "
+        "(warning_reclaim_probability x the resize it avoids) beats the surge cost (the "
+        "replacement's boot and the swap, paid whether or not the reclaim comes), or always "
+        "(docs/make-before-break-rule.md)",
+    )
+    warning_reclaim_probability: bounded(float, 0, 1) = Field(
+        0.5,
+        description="the share of early warnings followed by a reclaim within 8 h 42 min, as "
+        "the rule's prior (default: a published sample, 15 of 30 rebalance recommendations)",
+    )
     resize: Literal["restart", "live"] = Field(
         "restart",
         description="restart: every resize checkpoints and restarts every rank; live: surviving "

@@ -2,7 +2,8 @@
 the decisions are `make_before_break`'s. Call from workflow code only.
 
 Guarded by `workflow.patched(PATCH)`: only a job whose policy asks for make-before-break
-reaches it, and histories from before it replay unchanged.
+reaches it, and histories from before it replay unchanged; the rule that weighs a rebalance
+recommendation (`warning_rule`) is guarded by `RULE_PATCH` the same way.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from datetime import datetime
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import events, make_before_break
+    from spotrain.workflows import events, make_before_break, warning_rule
     from spotrain.workflows.fleet import Fleet
     from spotrain.workflows.ranks import Ranks
     from spotrain.workflows.state import JobState, Swap
 
 PATCH = "make-before-break"
+RULE_PATCH = "make-before-break-warning-rule"
 
 
 class Swapper:
@@ -48,6 +50,8 @@ class Swapper:
             return False
         if not workflow.patched(PATCH):
             return False
+        if not self._worth_it(event, plan.action):
+            return True
         s.swaps = plan.swaps
         if plan.action == "order":
             s.record(workflow.now(), "replacement ordered ahead", plan.detail)
@@ -65,6 +69,20 @@ class Swapper:
         elif plan.action == "deadline":
             s.record(workflow.now(), "warned node has a deadline", plan.detail)
         return True
+
+    def _worth_it(self, event: events.Reclaim, action: str) -> bool:
+        """A new rebalance recommendation gets a replacement only if `warning_rule` says its
+        expected gain beats its surge cost (histories from before the rule replay as they
+        ran: every warning acted on)."""
+        node = self.s.node_by_id(event.node_id)
+        if event.kind != "rebalance" or action not in ("order", "no room") or node is None:
+            return True
+        verdict = warning_rule.worth_acting(self.s, node)
+        if verdict.act or not workflow.patched(RULE_PATCH):
+            return True
+        why = f"{event.node_id}: {verdict.describe()}"
+        self.s.record(workflow.now(), "rebalance recommendation not worth a replacement", why)
+        return False
 
     def _shrink_now(self, swaps: list[Swap]) -> None:
         """Give up waiting for these notices' replacements: they shrink as usual."""
