@@ -64,7 +64,7 @@ class OperatorProcess:
             code = await asyncio.to_thread(proc.wait, timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"never reached {step}:\n{self.log()}") from None
-        assert code == CRASHED, f"exited {code} before {step}:\n{self.log()}"
+        assert code == CRASHED and f"crash point {step}:" in self.log(), self.log()
 
     def kill(self) -> None:
         for proc in self.procs:

@@ -7,17 +7,22 @@ is released. The worker runs the workflow with the simulated cloud and job (test
 from __future__ import annotations
 
 import json
+import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.k8s_crd import API_VERSION, FINALIZER
+from spotrain.workers.operator import HOLDING
 from spotrain.workers.operator_status import workflow_id
-from tests.jobs import fast_runtime, simulated
+from spotrain.workers.worker import workflow_worker
+from tests.jobs import fast_runtime
 from tests.k8s_cluster import ControlPlane
 from tests.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kubectl import Kubectl
@@ -54,9 +59,17 @@ async def test_operator_killed_at_every_step(
     dev_env: WorkflowEnvironment, control_plane: ControlPlane, kubectl: Kubectl, tmp_path: Path
 ) -> None:
     control_plane.ensure_namespace(NS)
-    cloud = SimulatedCloud()
-    async with simulated(dev_env.client, cloud, fast_runtime()) as sim:
-        with operator(control_plane, kubectl, dev_env.client, sim.task_queue, tmp_path) as op:
+    cloud, runtime, queue = SimulatedCloud(), fast_runtime(), uuid.uuid4().hex
+    with (
+        operator(control_plane, kubectl, dev_env.client, queue, tmp_path) as op,
+        ThreadPoolExecutor(16) as pool,
+    ):
+
+        def worker() -> Worker:
+            activities = cloud.activities() + runtime.activities()
+            return workflow_worker(dev_env.client, queue, activities, activity_executor=pool)
+
+        async with worker():
             job = training_job("mnist", 2, min_nodes=1, max_nodes=6)
             kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(job))
             # create: killed after the finalizer, after the start, after the first status
@@ -114,10 +127,14 @@ async def test_operator_killed_at_every_step(
                     "a NodeGone Event",
                 )
 
-            # delete: killed after the cancel, and after the finalizer came off
-            kubectl("delete", "-n", NS, "tj/mnist", "--wait=false")
-            await op.crash_at("cancel-sent")
-            assert resource(kubectl, "mnist") is not None  # held until the nodes are released
+        # delete with the worker down: the cancel is sent (killed right after), and the
+        # finalizer stays while the job cannot release its nodes
+        kubectl("delete", "-n", NS, "tj/mnist", "--wait=false")
+        await op.crash_at("cancel-sent")
+        with op.running():
+            await wait_for(lambda: op.log().count(HOLDING) >= 2, "the finalizer held")
+            assert resource(kubectl, "mnist") is not None and cloud.running()
+        async with worker():  # back: it tears down; the finalizer comes off (killed after)
             await op.crash_at("finalizer-removed")
             assert resource(kubectl, "mnist") is None
             assert cloud.running() == []

@@ -50,6 +50,7 @@ from spotrain.workflows.state import JobStatus
 log = logging.getLogger("spotrain.operator")
 RUNNING = WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING
 QUERY_TIMEOUT = timedelta(seconds=10)
+HOLDING = "holding the finalizer until the job ends with every node released"
 
 
 def crash_point(step: str) -> None:
@@ -204,9 +205,11 @@ class Operator:
             if described.status == RUNNING:
                 await handle.cancel()
                 crash_point("cancel-sent")
+                log.info("%s: cancel requested; %s", handle.id, HOLDING)
                 return
             s = await handle.query("status", result_type=JobStatus, rpc_timeout=QUERY_TIMEOUT)
             if any(n.state.is_alive for n in s.nodes):
+                log.info("%s: ended; %s", handle.id, HOLDING)
                 return
             await self._events(job, s)
         left = [f for f in job["metadata"]["finalizers"] if f != FINALIZER]
