@@ -98,7 +98,8 @@ def operator(
 
 def training_job(name: str, replicas: int, **elastic: Any) -> dict[str, Any]:
     """A TrainingJob of the simulated job (tests/jobs.py's fast spec: seconds, not minutes)."""
-    spec = fast_spec(total_steps=10_000_000, elastic=elastic)
+    # opportunistic off: the target moves only when kubectl moves it (or a reclaim shrinks it)
+    spec = fast_spec(total_steps=10_000_000, elastic={"opportunistic": False, **elastic})
     del spec["name"]
     return {
         "apiVersion": API_VERSION,
