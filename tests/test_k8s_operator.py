@@ -118,6 +118,21 @@ async def test_operator_killed_at_every_step(
                 )
                 assert victim not in {n["id"] for n in s["nodes"]}
 
+                # a ScaleOut with a timeout answers once its node came
+                scale_out = {
+                    "apiVersion": API_VERSION,
+                    "kind": "ScaleOut",
+                    "metadata": {"name": "add-one"},
+                    "spec": {"trainingJob": "mnist", "count": 1, "timeoutSeconds": 60},
+                }
+                kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(scale_out))
+                done = await wait_for(lambda: outcome(kubectl, "add-one", "scaleout"), "ScaleOut")
+                said = resource(kubectl, "add-one", "scaleout")["status"]["message"]
+                assert done == "Succeeded" and said == "scaled out: 4 nodes ready", said
+                s = await wait_for(
+                    lambda: (x := status(kubectl, "mnist")).get("replicas") == 4 and x, "4 nodes"
+                )
+
                 # a reclaim notice: the job shrinks, and the cluster hears of it as Events
                 handle = dev_env.client.get_workflow_handle(wid)
                 noticed = s["nodes"][0]["id"]
@@ -144,5 +159,6 @@ async def test_operator_killed_at_every_step(
     assert all(e["involvedObject"]["uid"] == meta["uid"] for e in posted)
     kinds = Counter((e["reason"], e["message"], e["firstTimestamp"]) for e in posted)
     assert kinds and max(kinds.values()) == 1, kinds  # nothing posted twice
-    assert {"NodeGone", "GenerationStarted", "ScaleIn", "Cancelled"} <= {r for r, _, _ in kinds}
+    reasons = {r for r, _, _ in kinds}
+    assert {"NodeGone", "GenerationStarted", "ScaleIn", "ScaleOut", "Cancelled"} <= reasons
     assert any(e["type"] == "Warning" and e["reason"] == "NodeGone" for e in posted)

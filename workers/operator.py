@@ -63,7 +63,7 @@ def crash_point(step: str) -> None:
 
 class Operator:
     def __init__(
-        self, api: client.ApiClient, temporal: Client, task_queue: str, resync_s: float = 15
+        self, api: client.ApiClient, temporal: Client, task_queue: str, resync_s: float = 5
     ) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
@@ -367,7 +367,7 @@ class Operator:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="spotrain-operator", description=__doc__.split("\n")[0])
     parser.add_argument("--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", "spotrain"))
-    parser.add_argument("--resync-s", type=float, default=15)
+    parser.add_argument("--resync-s", type=float, default=5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
