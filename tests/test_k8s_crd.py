@@ -73,7 +73,8 @@ def test_valid_stored_and_printed_with_columns(kubectl: Kubectl, ns: str) -> Non
     ]
     assert out[1].split()[:3] == ["ddp-example", "2", "4"]  # no status yet: min, max, age
     wide = kubectl("get", "tj", "ddp-example", "-n", ns, "-o", "wide").stdout.splitlines()
-    assert "TOTAL" in wide[0] and "LAST-EVENT" in wide[0] and "600" in wide[1].split()
+    total = str(example()["spec"]["total_steps"])
+    assert "TOTAL" in wide[0] and "LAST-EVENT" in wide[0] and total in wide[1].split()
 
 
 @pytest.mark.parametrize(
