@@ -383,6 +383,10 @@ class ControlPlane:
         }
         return self._kubeconfig(name, user)
 
+    def user_kubeconfig(self, name: str, group: str | None = None) -> Path:
+        """A kubeconfig for a user by client certificate (CN the name, O the group)."""
+        return self._cert_kubeconfig(name, dn(name, group))
+
     def service_account_kubeconfig(self, name: str, namespace: str = NAMESPACE) -> Path:
         """A kubeconfig holding a token for the ServiceAccount (TokenRequest API, 1 h)."""
         request = client.AuthenticationV1TokenRequest(

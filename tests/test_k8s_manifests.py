@@ -61,7 +61,7 @@ def test_kustomization_lists_every_manifest() -> None:
     assert sorted(kustomization["resources"]) == [p.name for p in MANIFESTS]
     namespaces = {d["metadata"]["name"] for d in by_kind("Namespace")}
     assert namespaces == {kustomization["namespace"]}
-    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
     for doc in docs():
         if doc["kind"] not in cluster_scoped:
             assert doc["metadata"]["namespace"] in namespaces, doc["metadata"]["name"]
@@ -83,7 +83,9 @@ def test_selectors_match_the_pods_they_mean() -> None:
             n for n, t in templates.items() if selector.items() <= t["metadata"]["labels"].items()
         ]
         assert len(matched) == 1, selector
-    assert {p["metadata"]["name"] for p in by_kind("PodDisruptionBudget")} == set(templates)
+    # The operator's single replica may be drained at will: it keeps no state (no PDB).
+    budgets = {p["metadata"]["name"] for p in by_kind("PodDisruptionBudget")}
+    assert budgets == set(templates) - {"spotrain-operator"}
 
 
 def test_service_accounts_and_bindings_fit_together() -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the test control plane (etcd, kube-apiserver, kube-scheduler, kwok) from the
+# Builds the test control plane (etcd, kube-apiserver, kube-scheduler, kwok) and kubectl from the
 # Go modules pinned in go.mod/go.sum into a cache directory outside the repository, and
 # prints the directory on stdout. Nothing prebuilt is downloaded: only module sources
 # through the Go module proxy. A second run with the same pins reuses the binaries; a
@@ -17,7 +17,7 @@ major="${kube_version#v}"; major="${major%%.*}"
 minor="${kube_version#v*.}"; minor="${minor%%.*}"
 ver=k8s.io/component-base/version
 ldflags="-s -w -X $ver.gitVersion=$kube_version -X $ver.gitMajor=$major -X $ver.gitMinor=$minor"
-tools=(etcd kube-apiserver kube-scheduler kwok)
+tools=(etcd kube-apiserver kube-scheduler kwok kubectl)
 # The binaries depend on the pins, the toolchain and the flags: a change to any builds anew.
 key="$( (cat go.mod go.sum; go env GOVERSION GOOS GOARCH; echo "$ldflags ${tools[*]}") | sha256sum | cut -c1-12)"
 out="${SPOTRAIN_K8S_CACHE:-$HOME/.cache/spotrain/k8s}/$kube_version-$key/bin"
@@ -45,6 +45,7 @@ go build -p "${SPOTRAIN_GO_P:-$(nproc)}" -ldflags "$ldflags" -o "$tmp/" \
   go.etcd.io/etcd/server/v3 \
   k8s.io/kubernetes/cmd/kube-apiserver \
   k8s.io/kubernetes/cmd/kube-scheduler \
+  k8s.io/kubernetes/cmd/kubectl \
   sigs.k8s.io/kwok/cmd/kwok >&2
 mv "$tmp/server" "$tmp/etcd"  # go names a .../v3 main after its parent
 rm -rf "$out"

@@ -1,0 +1,118 @@
+"""The operator as a real subprocess against the test control plane and the Temporal dev
+server, killed and restarted at will; a TrainingJob resource of the simulated job."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client
+
+from spotrain.workers.k8s_crd import API_VERSION
+from spotrain.workers.stack import _die_with_parent as die_with_parent
+from tests.jobs import fast_spec
+from tests.k8s_cluster import ROOT, ControlPlane
+from tests.kubectl import Kubectl
+
+CRASHED = 3  # workers/operator.py's crash_point exit status
+COMMAND = [sys.executable, "-m", "spotrain.workers.operator"]
+
+
+class OperatorProcess:
+    """`python -m spotrain.workers.operator` as the spotrain-operator ServiceAccount."""
+
+    def __init__(self, kubeconfig: Path, temporal: Client, queue: str, logs: Path) -> None:
+        self.env = dict(
+            os.environ,
+            KUBECONFIG=str(kubeconfig),
+            TEMPORAL_ADDRESS=temporal.service_client.config.target_host,
+        )
+        self.queue = queue
+        self.logs = logs
+        self.runs = 0
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, crash_at: str = "") -> subprocess.Popen[bytes]:
+        self.runs += 1
+        with (self.logs / f"operator-{self.runs}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                [*COMMAND, "--task-queue", self.queue, "--resync-s", "1"],
+                env=self.env | {"SPOTRAIN_OPERATOR_CRASH_AT": crash_at},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+                cwd=ROOT,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def log(self) -> str:
+        return (self.logs / f"operator-{self.runs}.log").read_text(errors="replace")[-3000:]
+
+    async def crash_at(self, step: str, timeout: float = 60) -> None:
+        """Run an operator until it dies right after `step`'s effect."""
+        proc = self.start(step)
+        try:
+            code = await asyncio.to_thread(proc.wait, timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"never reached {step}:\n{self.log()}") from None
+        assert code == CRASHED and f"crash point {step}:" in self.log(), self.log()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        self.start()
+        try:
+            yield
+        finally:
+            self.kill()
+
+
+@contextmanager
+def operator(
+    plane: ControlPlane, kubectl: Kubectl, temporal: Client, queue: str, logs: Path
+) -> Iterator[OperatorProcess]:
+    """The operator's RBAC applied (infra/k8s/operator-rbac.yaml); every process it starts is
+    killed on exit."""
+    kubectl("apply", "-f", str(ROOT / "infra/k8s/operator-rbac.yaml"))
+    kubeconfig = plane.service_account_kubeconfig("spotrain-operator")
+    op = OperatorProcess(kubeconfig, temporal, queue, logs)
+    try:
+        yield op
+    finally:
+        op.kill()
+
+
+def training_job(name: str, replicas: int, **elastic: Any) -> dict[str, Any]:
+    """A TrainingJob of the simulated job (tests/jobs.py's fast spec: seconds, not minutes)."""
+    # opportunistic off: the target moves only when kubectl moves it (or a reclaim shrinks it)
+    spec = fast_spec(total_steps=10_000_000, elastic={"opportunistic": False, **elastic})
+    del spec["name"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {"replicas": replicas, **spec},
+    }
+
+
+async def wait_for(check: Callable[[], Any], what: str, timeout: float = 60) -> Any:
+    """Poll `check` (in a thread: the test's worker shares this event loop) until truthy."""
+    deadline = time.monotonic() + timeout
+    while not (found := await asyncio.to_thread(check)):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+    return found
