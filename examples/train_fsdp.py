@@ -238,6 +238,7 @@ def train(
             step += 1
             if record:
                 entry = {"step": step, "start": start, "count": len(idx), "world": s.world_size}
+                entry["time"] = time.time()
                 record.write(json.dumps({**entry, "loss": loss} if s.is_rank0 else entry) + "\n")
             if args.step_time:
                 time.sleep(args.step_time)

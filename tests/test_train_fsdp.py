@@ -30,13 +30,24 @@ PROCS = 2  # per node: the shard group
 
 
 def plan(
-    tmp_path: Path, generation: int, nodes: list[int], job: str = "fsdp", live: bool = False
+    tmp_path: Path,
+    generation: int,
+    nodes: list[int] | list[str],
+    job: str = "fsdp",
+    live: bool = False,
+    total_steps: int = TOTAL_STEPS,
 ) -> GenerationPlan:
+    """Nodes by index (node-<i>, local) or by instance id (Kubernetes)."""
     (tmp_path / job).mkdir(exist_ok=True)
     p = GenerationPlan(
         job=job,
         generation=generation,
-        members=[Member(node_id=f"node-{i}", address="127.0.0.1", procs=PROCS) for i in nodes],
+        members=[
+            Member(
+                node_id=n if isinstance(n, str) else f"node-{n}", address="127.0.0.1", procs=PROCS
+            )
+            for n in nodes
+        ],
         command=[
             sys.executable,
             str(EXAMPLE),
@@ -48,7 +59,7 @@ def plan(
         checkpoint=f"file://{tmp_path}/{job}/store",
         scale_config={"lr": 3e-3, "ckpt_every": 1000},  # (no periodic checkpoint to fall to)
         global_batch_size=GLOBAL_BATCH,
-        total_steps=TOTAL_STEPS,
+        total_steps=total_steps,
     )
     return p.model_copy(update={"resize": "live", "collective_timeout_s": 10.0}) if live else p
 
