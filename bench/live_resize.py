@@ -25,7 +25,8 @@ and has trained a few steps.
   `--procs-per-node` processes); a node is one replica.
 - `--params N`: a model of about N million parameters (the state: 8 bytes a parameter, model
   and momentum). A pause includes the first step after the resize: the step time is
-  reported beside it. Live mode also times, after each hand-over, a raw `dist.broadcast` of
+  reported beside it, and "less a step" is the median pause less the median step (the time
+  no rank computed). Live mode also times, after each hand-over, a raw `dist.broadcast` of
   the same tensors on the same group (the limit), and reports the notice's checkpoint: how
   long it blocked training, and how long after the notice it was durable.
 """
@@ -68,7 +69,18 @@ from .common import REPO, dev_server, publish, summary
 
 NODES, GLOBAL_BATCH = 3, 48
 KINDS = ("shrink on notice", "growth", "loss without notice")
-COLUMNS = ["kind", "mode", "n", "median", "p99", "min", "max", "restart/live", "vs raw"]
+COLUMNS = [
+    "kind",
+    "mode",
+    "n",
+    "median",
+    "p99",
+    "min",
+    "max",
+    "less a step",
+    "restart/live",
+    "vs raw",
+]
 
 
 def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Namespace) -> dict:
@@ -278,7 +290,12 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
             ratio = None
             if mode == "live" and stats.get("restart", {}).get("n") and st.get("n"):
                 ratio = stats["restart"]["median"] / st["median"]
-            rows.append({"kind": kind, "mode": mode, **st, "restart/live": ratio})
+            # (a pause ends with the first step after the resize: the median less one step is
+            # the time no rank computed)
+            net = st["median"] - measured[mode]["step_s"]["median"] if st.get("n") else None
+            rows.append(
+                {"kind": kind, "mode": mode, **st, "less a step": net, "restart/live": ratio}
+            )
     for mode in measured:
         lost = [float(v) for v in measured[mode]["steps_lost"]]
         rows.append({"kind": "steps lost per loss", "mode": mode, **summary(lost)})

@@ -96,13 +96,15 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(width, heads=max(1, width // 64)) for _ in range(depth))
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(tokens) + self.positions(
-            torch.arange(tokens.shape[1], device=tokens.device)
-        )
+    def forward(self, seq: torch.Tensor) -> torch.Tensor:
+        """The summed next-token loss over `seq` (returned from inside: the root module's
+        output is then no view of the logits, which FSDP2 warns of)."""
+        tokens = seq[:, :-1]
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=seq.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1), reduction="sum")
 
 
 def shape_for(params_m: float) -> tuple[int, int]:
@@ -221,11 +223,7 @@ def train(
             with elastic.busy():
                 start = step * s.global_batch_size + batch.start  # type: ignore[operator]
                 idx = stream_indices(start, len(batch), DATASET_SIZE)
-                seq = data[idx].to(device)
-                logits = model(seq[:, :-1])
-                sse = F.cross_entropy(
-                    logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1), reduction="sum"
-                )
+                sse = model(data[idx].to(device))
             # FSDP averages gradients over ranks: scaled by world/tokens, the global mean.
             (sse * s.world_size / tokens_per_step).backward()
             seen, vote = elastic.elastic_event_detected(), live.wants_checkpoint()
