@@ -2,8 +2,10 @@
 jobs (plain torchrun scripts, no spotrain import) torchrun with the generation's settings.
 
 One pure function for both runtimes. Kubernetes runs one pod per node, so torchrun starts the
-node's `procs` workers; the local runtime tracks every rank as a process of its own, so each
-rank is a one-worker torchrun "node" (all of them on this machine; LOCAL_RANK is then 0).
+node's `procs` workers, and a `type: pytorch` node of several processes runs its command
+through spotrain.elastic.procs, once per process; the local runtime tracks every rank as a
+process of its own, so each rank is a one-worker torchrun "node" (all of them on this
+machine; LOCAL_RANK is then 0), or its command, once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ if TYPE_CHECKING:  # keeps pydantic out of every training process's start-up
     from spotrain.workflows.contract import GenerationPlan
 
 COMMAND_NODE = "spotrain.elastic.torchrun"
+NODE_PROCS = "spotrain.elastic.procs"
 BARE_PYTHON = ("python", "python3")
 
 
@@ -34,6 +37,11 @@ def launch_command(
     image's own `python`, and the command runs as written. MASTER_ADDR and MASTER_PORT come
     from the rank environment."""
     command = job_command(plan.command, python)
+    if plan.job_type == "pytorch" and local_rank is None and plan.members[node_index].procs > 1:
+        # (the launcher under the interpreter that runs the command, where it is one: it has
+        # spotrain, and a bare `python` may be another one)
+        interpreter = command[0] if "python" in command[0].rsplit("/", 1)[-1] else "python"
+        return [python or interpreter, "-m", NODE_PROCS, "--", *command]
     if plan.job_type != "command":
         return command
     if local_rank is None:

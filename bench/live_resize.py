@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.live_resize [--reclaims 20] [--losses 20] [--step-time 0.02]
         [--runtime local|kubernetes] [--params 100 --step-time 0 --settle-steps 3]
+        [--example fsdp --procs-per-node 2]
 
 The whole path as a user runs it: the real TrainingJob workflow on the Temporal dev server,
 the simulated cloud (always capacity) and the rank runtime starting real PyTorch DDP ranks
@@ -19,9 +20,13 @@ and has trained a few steps.
 - steps lost per loss without notice: steps the ranks had done in the generation beyond
   where the next one resumed (restart mode: back to the last periodic checkpoint, every
   `--ckpt-every` steps; live mode: at most the step in flight).
+- `--example fsdp`: the sharded example instead (examples/train_fsdp.py: a decoder-only
+  transformer, FSDP2 as HSDP, AdamW: 12 bytes a parameter, sharded over a node's
+  `--procs-per-node` processes); a node is one replica.
 - `--params N`: a model of about N million parameters (the state: 8 bytes a parameter, model
   and momentum). A pause includes the first step after the resize: the step time is
-  reported beside it. Live mode also times, after each hand-over, a raw `dist.broadcast` of
+  reported beside it, and "less a step" is the median pause less the median step (the time
+  no rank computed). Live mode also times, after each hand-over, a raw `dist.broadcast` of
   the same tensors on the same group (the limit), and reports the notice's checkpoint: how
   long it blocked training, and how long after the notice it was durable.
 """
@@ -46,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client as kube_client
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
@@ -64,25 +69,42 @@ from .common import REPO, dev_server, publish, summary
 
 NODES, GLOBAL_BATCH = 3, 48
 KINDS = ("shrink on notice", "growth", "loss without notice")
-COLUMNS = ["kind", "mode", "n", "median", "p99", "min", "max", "restart/live", "vs raw"]
+COLUMNS = [
+    "kind",
+    "mode",
+    "n",
+    "median",
+    "p99",
+    "min",
+    "max",
+    "less a step",
+    "restart/live",
+    "vs raw",
+]
 
 
 def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Namespace) -> dict:
+    ddp = args.example == "ddp"
     return {
         "name": name,
         "type": "pytorch",
         "command": [
             sys.executable,
-            str(REPO / "examples" / "train_ddp.py"),
+            str(REPO / "examples" / f"train_{args.example}.py"),
             "--record",
             str(record),
             "--step-time",
             str(args.step_time),
-            *(["--params", str(args.params), "--oracle"] if args.params else []),
+            *(["--params", str(args.params)] if args.params else []),
+            *(["--oracle"] if args.params and ddp else []),
         ],
         "total_steps": 10**7,
         "global_batch_size": GLOBAL_BATCH,
-        "scale_config": {n: {"lr": 0.02, "ckpt_every": args.ckpt_every} for n in (1, 2, 3)},
+        "procs_per_node": args.procs_per_node,
+        "scale_config": {
+            n * args.procs_per_node: {"lr": 0.02 if ddp else 3e-3, "ckpt_every": args.ckpt_every}
+            for n in range(1, NODES + 1)
+        },
         "checkpoint": f"file://{root / 'ckpt' / name}",
         "checkpoint_keep": 100,  # (every notice's checkpoint record stays to be reported)
         "elastic": {
@@ -107,16 +129,27 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
 
 
 async def status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
-    return await handle.query("status", result_type=JobStatus)
+    """The job's status. A query the SDK refused because the workflow task took over 2 s of
+    CPU (its deadlock detector: a starved machine, load above 20 seen here) is asked again:
+    the workflow itself retries that task and goes on."""
+    while True:
+        try:
+            return await handle.query("status", result_type=JobStatus)
+        except WorkflowQueryFailedError as err:
+            if "Potential deadlock" not in str(err):
+                raise
+            await asyncio.sleep(1)
 
 
-async def back_at_full_size(handle: WorkflowHandle[Any, Any], after: int, steps: int) -> JobStatus:
-    """Wait until the job runs a generation after `after` at full size and has trained
-    `steps` steps in it (so the next reclaim never lands in the middle of a resize)."""
+async def back_at_full_size(
+    handle: WorkflowHandle[Any, Any], after: int, steps: int, world: int
+) -> JobStatus:
+    """Wait until the job runs a generation after `after` at full size (`world` ranks) and has
+    trained `steps` steps in it (so the next reclaim never lands in the middle of a resize)."""
     deadline = time.monotonic() + 300
     while True:
         s = await status(handle)
-        if s.generation > after and s.world_size == NODES and s.phase == Phase.RUNNING:
+        if s.generation > after and s.world_size == world and s.phase == Phase.RUNNING:
             base = s.step
             while (s := await status(handle)).step < base + steps:
                 assert s.generation > after and time.monotonic() < deadline, s.timeline[-5:]
@@ -221,15 +254,20 @@ async def run_mode(
     spec = job_spec(name, mode, record, root, args)
     if args.runtime == "kubernetes":
         spec["image"] = "bench/none:1"  # (the stand-in kubelet runs the command here)
+    full = NODES * args.procs_per_node
     with rank_runtime(args.runtime, root, cloud) as (runtime, lose), ThreadPoolExecutor(8) as pool:
         async with workflow_worker(
             client, name, cloud.activities() + runtime.activities(), activity_executor=pool
         ):
             handle = await client.start_workflow("TrainingJob", spec, id=name, task_queue=name)
             try:
-                s = await back_at_full_size(handle, 0, args.settle_steps)
+                s = await back_at_full_size(handle, 0, args.settle_steps, full)
                 for i in range(args.reclaims + args.losses):
-                    victim = next(n.node_id for n in s.nodes if n.rank == 1 and n.node_id)
+                    members = sorted(
+                        (n for n in s.nodes if n.node_id and n.rank is not None),
+                        key=lambda n: n.rank,
+                    )
+                    victim = members[1].node_id  # (the middle node: survivors renumber)
                     if i < args.reclaims:
                         deadline = datetime.now(UTC) + timedelta(seconds=120)
                         await handle.signal("reclaim", {"node_id": victim, "deadline": deadline})
@@ -237,7 +275,7 @@ async def run_mode(
                         lose(name, victim)
                         cloud.reclaim(victim)
                         await handle.signal("node_lost", {"node_id": victim, "event_id": victim})
-                    s = await back_at_full_size(handle, s.generation, args.settle_steps)
+                    s = await back_at_full_size(handle, s.generation, args.settle_steps, full)
                     print(f"{mode}: {i + 1} of {args.reclaims + args.losses} done", file=sys.stderr)
                 timeline = await handle.query("timeline", result_type=list[TimelineEntry])
             finally:
@@ -261,7 +299,12 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
             ratio = None
             if mode == "live" and stats.get("restart", {}).get("n") and st.get("n"):
                 ratio = stats["restart"]["median"] / st["median"]
-            rows.append({"kind": kind, "mode": mode, **st, "restart/live": ratio})
+            # (a pause ends with the first step after the resize: the median less one step is
+            # the time no rank computed)
+            net = st["median"] - measured[mode]["step_s"]["median"] if st.get("n") else None
+            rows.append(
+                {"kind": kind, "mode": mode, **st, "less a step": net, "restart/live": ratio}
+            )
     for mode in measured:
         lost = [float(v) for v in measured[mode]["steps_lost"]]
         rows.append({"kind": "steps lost per loss", "mode": mode, **summary(lost)})
@@ -288,7 +331,9 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
         "benchmark": "live_resize",
         "settings": {
             "runtime": args.runtime,
+            "example": args.example,
             "nodes": NODES,
+            "procs_per_node": args.procs_per_node,
             "step_time_s": args.step_time,
             "ckpt_every": args.ckpt_every,
             "reclaims": args.reclaims,
@@ -326,10 +371,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="local",
         help="kubernetes: pods on the real control plane (infra/k8s/controlplane/build.sh)",
     )
+    parser.add_argument(
+        "--example",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="the replicated MLP (train_ddp.py) or the sharded transformer (train_fsdp.py)",
+    )
+    parser.add_argument(
+        "--procs-per-node", type=int, default=1, help="ranks per node (fsdp: the shard group)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     out, rows = report(asyncio.run(run(args)), args)
     suffix = "" if args.runtime == "local" else f"_{args.runtime}"
+    suffix += "" if args.example == "ddp" else f"_{args.example}"
     suffix += f"_{args.params:g}m" if args.params else ""
     publish(out, rows, COLUMNS, args.out / f"live_resize{suffix}.json")
     return out

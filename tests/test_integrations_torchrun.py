@@ -43,7 +43,7 @@ def wait_until(sc: Scenario, p, what, timeout_s: float = 240):  # type: ignore[n
     return found
 
 
-def test_launch_command_wraps_only_command_jobs(tmp_path: Path) -> None:
+def test_launch_command_wraps_command_jobs_and_multi_process_pods(tmp_path: Path) -> None:
     sc = Scenario(tmp_path, "j", ["python", "train.py"], 10, 4, {}, job_type="command")
     sc.procs_per_node = 2
     p = sc.plan(0, nodes=2)
@@ -52,9 +52,16 @@ def test_launch_command_wraps_only_command_jobs(tmp_path: Path) -> None:
     assert node1[4:] == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--", *p.command]
     rank3 = launch_command(p, 1, "py", local_rank=1)
     assert rank3[4:7] == ["--nnodes=4", "--node-rank=3", "--nproc-per-node=1"]
+    # A spotrain rank command: once per process (Kubernetes: one pod, the node's processes
+    # through spotrain.elastic.procs, under the command's interpreter; locally each rank).
     pytorch = p.model_copy(update={"job_type": "pytorch"})
-    assert launch_command(pytorch, 1, None) == p.command  # Kubernetes: the image's python
-    assert launch_command(pytorch, 1, "py") == ["py", "train.py"]  # locally: ours
+    procs = ["-m", "spotrain.elastic.procs", "--"]
+    assert launch_command(pytorch, 1, None) == ["python", *procs, *p.command]
+    assert launch_command(pytorch, 1, "py", local_rank=1) == ["py", "train.py"]
+    one = pytorch.model_copy(
+        update={"members": [m.model_copy(update={"procs": 1}) for m in p.members]}
+    )
+    assert launch_command(one, 1, None) == p.command
     assert launch_command(p, 1, "py", local_rank=1)[-2:] == ["py", "train.py"]
 
 
@@ -127,6 +134,7 @@ def test_plain_torchrun_script_resumes_through_a_reclaim_and_a_loss(tmp_path: Pa
         ("job_hf.yaml", "train_hf.py"),
         ("job_lightning.yaml", "train_lightning.py"),
         ("job_torchrun.yaml", "train_torchrun.py"),
+        ("job_fsdp.yaml", "train_fsdp.py"),
     ],
 )
 def test_example_job_specs_validate_and_run_their_scripts(spec: str, script: str) -> None:

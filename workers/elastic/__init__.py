@@ -77,6 +77,7 @@ class Settings:
     scale_config: dict[str, Any] = field(default_factory=dict)
     global_batch_size: int | None = None
     local_batch_size: int | None = None
+    local_world_size: int = 1  # this node's processes (a sharded model's shard group)
 
     @property
     def is_rank0(self) -> bool:
@@ -117,6 +118,7 @@ def settings() -> Settings:
         scale_config=json.loads(env.get(environment.SCALE_CONFIG) or "{}"),
         global_batch_size=_optional_int(environment.GLOBAL_BATCH_SIZE),
         local_batch_size=_optional_int(environment.LOCAL_BATCH_SIZE),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
     )
 
 

@@ -13,6 +13,9 @@ takers' (joiners, and any survivor a step behind), point to point, never as one 
   step, to every taker. With several survivors, each sends a share; a taker receives from all.
 - Memory: at most `WINDOW` packed buffers are in flight on either side, so the source holds no
   second copy of its state (only a few buckets), and a taker only what it must hold anyway.
+- Sharded models (FSDP2 as HSDP, sharded.py): each rank's local shards travel, within `group`,
+  the ranks that hold the same shard (one per node); a taker's optimizer state is allocated as
+  DTensors on its own parameters' mesh.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 BUCKET_BYTES = 32 << 20
 WINDOW = 4
@@ -42,9 +46,10 @@ class Stateful(Protocol):
 class TensorSpec:
     """An optimizer state tensor as the taker allocates it."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # (a DTensor's local shard)
     dtype: torch.dtype
     on_cpu: bool  # (e.g. Adam's step counter, a CPU scalar beside CUDA parameters)
+    sharded: bool = False  # a DTensor like its parameter (FSDP2): rebuilt on the taker's mesh
 
 
 @dataclass(frozen=True)
@@ -113,38 +118,50 @@ def transfer(
     optim: torch.optim.Optimizer,
     steps: list[int],
     others: Iterable[Stateful] = (),
+    group: dist.ProcessGroup | None = None,
 ) -> int:
-    """Collective: every rank ends with the state of the ranks at the newest step; that step."""
+    """Collective over `group` (default: the world), whose members' steps are `steps` in
+    group-rank order: every member ends with the state of those at the newest step; that step."""
     started = time.monotonic()
     who = roles(steps)
     last.bytes = last.sent = last.sources = last.takers = 0
     if not who.takers:
         return who.step
+    members = dist.get_process_group_ranks(group) if group else list(range(len(steps)))
+    sources, takers = [members[r] for r in who.sources], [members[r] for r in who.takers]
     rank = dist.get_rank()
     others = list(others)
-    model_tensors = list(model.state_dict().values())
+    model_tensors = [_local(t) for t in model.state_dict().values()]
     device = model_tensors[0].device if model_tensors else torch.device("cpu")
-    giving = rank in who.sources
-    skeleton = [_skeleton(optim, others) if rank == who.sources[0] else None]
-    dist.broadcast_object_list(skeleton, src=who.sources[0])
+    giving = rank in sources
+    skeleton = [_skeleton(optim, others) if rank == sources[0] else None]
+    dist.broadcast_object_list(skeleton, src=sources[0], group=group)
     skel: dict[str, Any] = skeleton[0]  # type: ignore[assignment]
-    optim_state = optim.state_dict()["state"] if giving else _allocate(skel["state"], device)
+    params = [p for g in optim.param_groups for p in g["params"]]
+    optim_state = (
+        optim.state_dict()["state"] if giving else _allocate(skel["state"], device, params)
+    )
     tensors = model_tensors + _optim_tensors(optim_state, skel["state"])
     sizes = [t.numel() * t.element_size() for t in tensors]
     cut = buckets(sizes, BUCKET_BYTES)
     if giving:
-        mine = [b for b in range(len(cut)) if source_of(b, who.sources) == rank]
-        _send(tensors, cut, mine, who.takers, device)
-        last.sent = sum(sizes[i] for b in mine for i in cut[b]) * len(who.takers)
+        mine = [b for b in range(len(cut)) if source_of(b, sources) == rank]
+        _send(tensors, cut, mine, takers, device, group)
+        last.sent = sum(sizes[i] for b in mine for i in cut[b]) * len(takers)
     else:
-        _receive(tensors, cut, who.sources, device)
+        _receive(tensors, cut, sources, device, group)
         optim.load_state_dict({"state": optim_state, "param_groups": skel["param_groups"]})
         for obj, state in zip(others, skel["others"], strict=True):
             obj.load_state_dict(state)
-    dist.barrier()  # (so that every rank's clock stops when the last taker has it all)
+    dist.barrier(group=group)  # (so that every clock stops when the last taker has it all)
     last.bytes, last.seconds = sum(sizes), time.monotonic() - started
-    last.sources, last.takers, last.first_source = len(who.sources), len(who.takers), who.sources[0]
+    last.sources, last.takers, last.first_source = len(sources), len(takers), sources[0]
     return who.step
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What travels of a tensor: a DTensor's local shard (its own memory), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _skeleton(optim: torch.optim.Optimizer, others: list[Stateful]) -> dict[str, Any]:
@@ -152,7 +169,9 @@ def _skeleton(optim: torch.optim.Optimizer, others: list[Stateful]) -> dict[str,
     sd = optim.state_dict()
     state = {
         index: {
-            key: TensorSpec(tuple(v.shape), v.dtype, v.device.type == "cpu")
+            key: TensorSpec(
+                tuple(_local(v).shape), v.dtype, v.device.type == "cpu", isinstance(v, DTensor)
+            )
             if isinstance(v, torch.Tensor)
             else v
             for key, v in entry.items()
@@ -166,23 +185,39 @@ def _skeleton(optim: torch.optim.Optimizer, others: list[Stateful]) -> dict[str,
     }
 
 
-def _allocate(spec: dict[Any, dict[str, Any]], device: torch.device) -> dict[Any, dict[str, Any]]:
-    """Empty tensors where the skeleton has specs; other values as they are."""
+def _allocate(
+    spec: dict[Any, dict[str, Any]], device: torch.device, params: list[torch.Tensor]
+) -> dict[Any, dict[str, Any]]:
+    """Empty tensors where the skeleton has specs (a sharded one as a DTensor laid out like its
+    parameter, `params` in the optimizer's index order); other values as they are."""
     return {
         index: {
-            key: torch.empty(v.shape, dtype=v.dtype, device="cpu" if v.on_cpu else device)
-            if isinstance(v, TensorSpec)
-            else v
+            key: _empty(v, device, params[index]) if isinstance(v, TensorSpec) else v
             for key, v in entry.items()
         }
         for index, entry in spec.items()
     }
 
 
+def _empty(spec: TensorSpec, device: torch.device, param: torch.Tensor) -> torch.Tensor:
+    local = torch.empty(spec.shape, dtype=spec.dtype, device="cpu" if spec.on_cpu else device)
+    if not spec.sharded:
+        return local
+    assert isinstance(param, DTensor)
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
 def _optim_tensors(state: dict[Any, dict[str, Any]], spec: dict[Any, dict[str, Any]]) -> list:
     """The optimizer's tensors in the skeleton's order (the same on every rank)."""
     return [
-        state[index][key]
+        _local(state[index][key])
         for index, entry in spec.items()
         for key, v in entry.items()
         if isinstance(v, TensorSpec)
@@ -205,6 +240,7 @@ def _send(
     mine: list[int],
     takers: list[int],
     device: torch.device,
+    group: dist.ProcessGroup | None,
 ) -> None:
     in_flight: deque[list[dist.Work]] = deque()
     for b in mine:
@@ -212,7 +248,7 @@ def _send(
             wire = _as_bytes(tensors[cut[b][0]])
         else:
             wire = torch.cat([_as_bytes(tensors[i]).to(device) for i in cut[b]])
-        in_flight.append([dist.isend(wire, dst, tag=b) for dst in takers])
+        in_flight.append([dist.isend(wire, dst, group, tag=b) for dst in takers])
         while len(in_flight) > WINDOW:
             _wait(in_flight.popleft())
     for works in in_flight:
@@ -220,7 +256,11 @@ def _send(
 
 
 def _receive(
-    tensors: list[torch.Tensor], cut: list[list[int]], sources: list[int], device: torch.device
+    tensors: list[torch.Tensor],
+    cut: list[list[int]],
+    sources: list[int],
+    device: torch.device,
+    group: dist.ProcessGroup | None,
 ) -> None:
     in_flight: deque[tuple[list[int], torch.Tensor, dist.Work]] = deque()
     for b, bucket in enumerate(cut):
@@ -229,7 +269,7 @@ def _receive(
         else:
             size = sum(tensors[i].numel() * tensors[i].element_size() for i in bucket)
             wire = torch.empty(size, dtype=torch.uint8, device=device)
-        work = dist.irecv(wire, src=source_of(b, sources), tag=b)
+        work = dist.irecv(wire, source_of(b, sources), group, tag=b)
         in_flight.append((bucket, wire, work))
         while len(in_flight) > WINDOW:
             _unpack(tensors, device, *in_flight.popleft())

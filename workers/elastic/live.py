@@ -162,10 +162,13 @@ def sync(
     optim: torch.optim.Optimizer,
     step: int,
     others: Iterable[handover.Stateful] = (),
+    group: dist.ProcessGroup | None = None,
 ) -> int:
     """Collective, before (re)building DDP: every rank takes the model, optimizer, step and
     `others` (anything else with a state dict: an LR scheduler...) of the most advanced ranks
-    (a joiner passes -1), tensor by tensor (handover.py). Free when every rank agrees."""
+    (a joiner passes -1), tensor by tensor (handover.py). Free when every rank agrees. A
+    sharded model passes its replicas' group (`sharded.replicas`): each shard comes from a
+    rank that holds the same shard."""
     global _owed, _due
     if not enabled():
         return step
@@ -173,7 +176,10 @@ def sync(
     dist.all_gather_object(held, (step, _owed))
     _owed = None  # this generation owes it now
     _due = next((owed for _, owed in held if owed is not None), None)
-    return handover.transfer(model, optim, [s for s, _ in held], others)
+    members = dist.get_process_group_ranks(group) if group else range(len(held))
+    newest = max(s for s, _ in held)
+    handover.transfer(model, optim, [held[r][0] for r in members], others, group)
+    return newest
 
 
 def next_generation(step: int) -> elastic.Settings | None:

@@ -1,0 +1,117 @@
+"""The sharded example (examples/train_fsdp.py: FSDP2 as HSDP, gloo, CPU) resized live on the
+Kubernetes runtime, on the real control plane: one pod per node runs the node's two processes
+(spotrain.elastic.procs), a joining node's pod takes its shards from the survivors, and a
+node lost without notice costs at most the step in flight. The weights end as an
+uninterrupted run's (on the local runtime).
+
+Stood in for: the kubelet (tests/kube_kubelet.py runs each bound pod's command as a local
+process), as in tests/test_kube_live.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+from temporalio.testing import ActivityEnvironment
+
+from spotrain.activities.kube import KubeRuntime
+from spotrain.activities.local import LocalRuntime
+from spotrain.elastic.job_store import JobStore
+from spotrain.workflows.contract import GenerationPlan
+from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
+    NAMESPACE,
+    ControlPlane,
+    cluster_fixture,
+    control_plane_fixture,
+)
+from tests.kube_kubelet import LocalKubelet
+from tests.test_kube_live import (  # noqa: F401 (the fixtures)
+    JOB,
+    NODES,
+    job_pods,
+    kubelet_fixture,
+    logs,
+    run,
+    run_until,
+    runtime_fixture,
+    stop,
+    watch,
+)
+from tests.test_live_resize import consumed, through_held
+from tests.test_train_ddp import records
+from tests.test_train_ddp import watch as watch_local
+from tests.test_train_fsdp import GLOBAL_BATCH, PROCS, assert_same_weights, plan
+
+pytest.importorskip("torch")
+
+# Enough that the job still trains while a loaded machine starts the joiner's pod.
+TOTAL_STEPS = 200
+
+
+def test_a_sharded_job_grows_and_loses_a_node_live_on_kubernetes(
+    cluster: ControlPlane, kubelet: LocalKubelet, runtime: KubeRuntime, tmp_path: Path
+) -> None:
+    core = client.CoreV1Api(cluster.admin)
+    a, b, c = list(NODES)
+
+    def on(generation: int, nodes: list[str]) -> GenerationPlan:
+        p = plan(tmp_path, generation, nodes, job=JOB, live=True, total_steps=TOTAL_STEPS)
+        return p.model_copy(update={"image": "ghcr.io/example/train:1"})
+
+    # The reference, beside it: two nodes, never resized, on the local runtime.
+    env, local = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    ref = plan(tmp_path, 0, [0, 1], job="ref", total_steps=TOTAL_STEPS)
+    env.run(local.start_generation, ref)
+    ref_watch = functools.partial(watch_local, env, local, ref)
+    gen1 = on(1, [a, b])
+    run(runtime.start_generation, gen1)
+    run_until(runtime, gen1, 8, kubelet)
+    assert sorted(job_pods(core)) == [f"{JOB}-g1-0", f"{JOB}-g1-1"]  # a pod per node
+
+    # Growth: the new node's pod (a head start) takes each shard from a survivor.
+    gen2 = on(2, [a, b, c])
+    run(runtime.prepare_generation, gen2)
+    grow = stop(runtime, gen1, graceful=True, grace_s=60)
+    s1 = grow.held_step
+    assert s1 is not None and grow.checkpoint_step is None, logs(kubelet)
+    run(runtime.start_generation, gen2)
+    run_until(runtime, gen2, s1 + 8, kubelet)
+
+    # Node b lost without notice: its pod's two processes go with it.
+    core.delete_node(NODES[b])
+    deadline = time.monotonic() + 60
+    while (result := watch(runtime, gen2)).outcome == "progress":
+        assert time.monotonic() < deadline, "the loss was never noticed"
+    lost = stop(runtime, gen2, graceful=False, grace_s=20, lost_node_ids=[b])
+    held = lost.held_step
+    assert lost.acked_ranks == [0, 1, 4, 5] and held is not None, logs(kubelet)
+    gen3 = on(3, [a, c])
+    run(runtime.start_generation, gen3)
+    deadline = time.monotonic() + 180
+    while (result := watch(runtime, gen3)).outcome == "progress":
+        assert time.monotonic() < deadline, logs(kubelet)
+    assert result.outcome == "completed", (result, logs(kubelet))
+    while (done := ref_watch()).outcome == "progress":
+        assert time.monotonic() < deadline, "the reference did not finish"
+    assert done.outcome == "completed", done
+
+    # Three pods for the whole job, each with the node's processes: two, then the joiner.
+    assert [name for name, _, _ in kubelet.started] == [
+        f"{JOB}-g1-0",
+        f"{JOB}-g1-1",
+        f"{JOB}-g2-2",
+    ]
+    rec = {g: records(tmp_path, g, job=JOB) for g in (1, 2, 3)}
+    assert [e["step"] for e in rec[3][0]] == list(range(held + 1, TOTAL_STEPS + 1))
+    assert {e["world"] for e in rec[2][5]} == {3 * PROCS}
+    rec2 = through_held(through_held(rec[2], 2, held), 3, held)
+    assert consumed([(rec[1], s1), (rec2, held), (rec[3], TOTAL_STEPS)]) == list(
+        range(TOTAL_STEPS * GLOBAL_BATCH)
+    )
+    store = JobStore(gen3.checkpoint)
+    assert store.loaded_step(2) is None and store.loaded_step(3) is None  # nothing from disk
+    assert_same_weights(tmp_path / JOB, tmp_path / "ref")

@@ -1,0 +1,167 @@
+"""The sharded example, for real: FSDP2 as HSDP (examples/train_fsdp.py: a decoder-only
+transformer, gloo on CPU), two processes per node on the local runtime. Resized by restart
+(DCP reshards between meshes) and live (survivors keep their shards, a joining node takes
+each shard from a survivor holding the same one, a node lost without notice costs at most
+the step in flight); every run ends with the weights of an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from temporalio.testing import ActivityEnvironment
+
+from spotrain.activities.local import LocalRuntime
+from spotrain.elastic.job_store import JobStore
+from spotrain.workflows.contract import GenerationPlan, Member
+from tests.test_live_resize import consumed, pids, through_held
+from tests.test_train_ddp import records, run_to_end, stop_generation, watch
+
+pytest.importorskip("torch")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_fsdp.py"
+TOTAL_STEPS = 60
+GLOBAL_BATCH = 26  # uneven over 4 and 6 ranks
+PROCS = 2  # per node: the shard group
+
+
+def plan(
+    tmp_path: Path,
+    generation: int,
+    nodes: list[int] | list[str],
+    job: str = "fsdp",
+    live: bool = False,
+    total_steps: int = TOTAL_STEPS,
+) -> GenerationPlan:
+    """Nodes by index (node-<i>, local) or by instance id (Kubernetes)."""
+    (tmp_path / job).mkdir(exist_ok=True)
+    p = GenerationPlan(
+        job=job,
+        generation=generation,
+        members=[
+            Member(
+                node_id=n if isinstance(n, str) else f"node-{n}", address="127.0.0.1", procs=PROCS
+            )
+            for n in nodes
+        ],
+        command=[
+            sys.executable,
+            str(EXAMPLE),
+            "--record",
+            str(tmp_path / job),
+            "--step-time",
+            "0.05",
+        ],
+        checkpoint=f"file://{tmp_path}/{job}/store",
+        scale_config={"lr": 3e-3, "ckpt_every": 1000},  # (no periodic checkpoint to fall to)
+        global_batch_size=GLOBAL_BATCH,
+        total_steps=total_steps,
+    )
+    return p.model_copy(update={"resize": "live", "collective_timeout_s": 10.0}) if live else p
+
+
+def run_until(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan, step: int) -> int:
+    deadline = time.monotonic() + 120
+    while (result := watch(env, rt, p)).outcome == "progress" and (result.step or 0) < step:
+        assert time.monotonic() < deadline, f"generation {p.generation} made no progress"
+    assert result.outcome == "progress", (result, rt.log_path(p.job, 0, p.generation).read_text())
+    return result.step or 0
+
+
+def reference(env: ActivityEnvironment, rt: LocalRuntime, tmp_path: Path) -> None:
+    """Two nodes, never resized: the weights every resized run must end with."""
+    ref = plan(tmp_path, 0, [0, 1], job="ref")
+    env.run(rt.start_generation, ref)
+    run_to_end(env, rt, ref)
+
+
+def assert_same_weights(resized: Path, uninterrupted: Path) -> None:
+    """Every rank's gathered weights after the last step equal an uninterrupted run's within
+    1e-4 of their norm: float summation order differs between meshes, and Adam lifts that
+    noise in a few elements above an element-wise tolerance; one step more or less, or an
+    optimizer state lost, is about 1e-2."""
+    want = torch.tensor(json.loads((uninterrupted / "final-rank-0.json").read_text()))
+    ranks = sorted(resized.glob("final-rank-*.json"))
+    assert len(ranks) == 2 * PROCS and want.numel() > 0
+    for f in ranks:  # every rank of the last generation: joiners as well as survivors
+        got = torch.tensor(json.loads(f.read_text()))
+        off = ((got - want).norm() / want.norm()).item()
+        assert off < 1e-4, (f.name, off)
+
+
+def first_steps(rec: dict[int, list[dict]]) -> list[int]:
+    return [e["step"] for e in rec[0]]
+
+
+def test_restart_resizes_reshard_through_checkpoints(tmp_path: Path) -> None:
+    """2 -> 3 -> 2 nodes (4 -> 6 -> 4 ranks) by restart: each generation loads the last one's
+    checkpoint onto its own mesh, and ends where an uninterrupted run does."""
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    stops, gens = [], [plan(tmp_path, 0, [0, 1])]
+    for g, nodes in enumerate(([0, 1, 2], [1, 2]), start=1):
+        env.run(rt.start_generation, gens[-1])
+        run_until(env, rt, gens[-1], 12 * g)
+        stop = stop_generation(env, rt, gens[-1], graceful=True, grace_s=60)
+        assert stop.checkpoint_step is not None and not stop.forced
+        stops.append(stop.checkpoint_step)
+        gens.append(plan(tmp_path, g, nodes))
+    env.run(rt.start_generation, gens[-1])
+    assert run_to_end(env, rt, gens[-1]).exit_codes == dict.fromkeys(range(2 * PROCS), 0)
+    reference(env, rt, tmp_path)
+
+    rec = [records(tmp_path, g, "fsdp") for g in range(3)]
+    assert first_steps(rec[1]) == list(range(stops[0] + 1, stops[1] + 1))
+    assert {e["world"] for e in rec[1][5]} == {6}
+    assert consumed([(rec[0], stops[0]), (rec[1], stops[1]), (rec[2], TOTAL_STEPS)]) == list(
+        range(TOTAL_STEPS * GLOBAL_BATCH)
+    )
+    store = JobStore(gens[-1].checkpoint)
+    assert store.loaded_step(1) == stops[0] and store.loaded_step(2) == stops[1]
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "ref")
+
+
+def test_live_growth_and_a_replica_lost_without_notice(tmp_path: Path) -> None:
+    """Live: a third node joins and takes its shards from the survivors; then a node is lost
+    without notice and the other two go on from memory, having lost at most the step in
+    flight. Nothing is read from disk; the weights end as an uninterrupted run's."""
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    gen0 = plan(tmp_path, 0, [0, 1], live=True)
+    env.run(rt.start_generation, gen0)
+    run_until(env, rt, gen0, 10)
+
+    grow = stop_generation(env, rt, gen0, graceful=True, grace_s=60, live=True)
+    s0 = grow.held_step
+    assert s0 is not None and grow.checkpoint_step is None
+    gen1 = plan(tmp_path, 1, [0, 1, 2], live=True)
+    env.run(rt.start_generation, gen1)
+    assert [pids(rt, 1, "fsdp")[r] for r in range(4)] == [pids(rt, 0, "fsdp")[r] for r in range(4)]
+    run_until(env, rt, gen1, s0 + 10)
+
+    assert rt.kill_node("fsdp", "node-1") == [2, 3]
+    lost = stop_generation(
+        env, rt, gen1, graceful=False, grace_s=20, live=True, lost_node_ids=["node-1"]
+    )
+    held = lost.held_step
+    assert lost.acked_ranks == [0, 1, 4, 5] and held is not None
+    reached = max(e["step"] for entries in records(tmp_path, 1, "fsdp").values() for e in entries)
+    assert reached - held <= 1, (reached, held)
+    gen2 = plan(tmp_path, 2, [0, 2], live=True)
+    env.run(rt.start_generation, gen2)
+    assert pids(rt, 2, "fsdp")[2] == pids(rt, 1, "fsdp")[4]  # node-2's processes, renumbered
+    assert run_to_end(env, rt, gen2).exit_codes == dict.fromkeys(range(2 * PROCS), 0)
+    reference(env, rt, tmp_path)
+
+    rec = [records(tmp_path, g, "fsdp") for g in range(3)]
+    assert first_steps(rec[1])[0] == s0 + 1 and first_steps(rec[2])[0] == held + 1
+    rec1 = through_held(through_held(rec[1], 2, held), 3, held)
+    assert consumed([(rec[0], s0), (rec1, held), (rec[2], TOTAL_STEPS)]) == list(
+        range(TOTAL_STEPS * GLOBAL_BATCH)
+    )
+    store = JobStore(gen2.checkpoint)
+    assert store.loaded_step(1) is None and store.loaded_step(2) is None  # nothing from disk
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "ref")
+    assert not any(r.alive() for g in range(3) for r in rt._ranks("fsdp", g))
