@@ -223,7 +223,8 @@ def test_the_bounds_themselves_are_valid_and_the_examples_stay_valid() -> None:
     )
     plain_and_bounded(parse_spec(widest).model_dump(mode="json"))
     for path in sorted(EXAMPLE.parent.glob("*.yaml")):
-        load_spec(path)
+        if "\napiVersion:" not in "\n" + path.read_text():
+            load_spec(path)  # (not the Kubernetes resources: tests/test_k8s_crd.py applies those)
 
 
 def test_ordering_every_node_of_the_largest_job_stays_cheap() -> None:

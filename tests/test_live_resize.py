@@ -79,7 +79,9 @@ def consumed(entries_by_gen: list[tuple[dict[int, list[dict]], int]]) -> list[in
     )
 
 
-def through_held(rec: dict[int, list[dict]], held: int) -> dict[int, list[dict]]:
+def through_held(
+    rec: dict[int, list[dict]], held: int, global_batch: int = GLOBAL_BATCH
+) -> dict[int, list[dict]]:
     """`rec` with every rank's record completed through `held`, the newest step a survivor
     holds (the next generation resumes from it). A rank that recorded `held` finished that
     step's all-reduces, and an all-reduce completes on any rank only with every rank's share
@@ -95,7 +97,7 @@ def through_held(rec: dict[int, list[dict]], held: int) -> dict[int, list[dict]]
         last = entries[-1]
         assert last["step"] >= held - 1, (rank, last, held)
         if last["step"] == held - 1:  # same world, same share of the next global batch
-            entries = [*entries, {**last, "step": held, "start": last["start"] + GLOBAL_BATCH}]
+            entries = [*entries, {**last, "step": held, "start": last["start"] + global_batch}]
         completed[rank] = entries
     return completed
 

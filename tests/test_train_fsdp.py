@@ -157,7 +157,7 @@ def test_live_growth_and_a_replica_lost_without_notice(tmp_path: Path) -> None:
 
     rec = [records(tmp_path, g, "fsdp") for g in range(3)]
     assert first_steps(rec[1])[0] == s0 + 1 and first_steps(rec[2])[0] == held + 1
-    rec1 = through_held(through_held(rec[1], 2, held), 3, held)
+    rec1 = through_held(rec[1], held, GLOBAL_BATCH)
     assert consumed([(rec[0], s0), (rec1, held), (rec[2], TOTAL_STEPS)]) == list(
         range(TOTAL_STEPS * GLOBAL_BATCH)
     )
