@@ -7,7 +7,6 @@ the step in flight); every run ends with the weights of an uninterrupted one."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import GenerationPlan, Member
 from tests.test_live_resize import consumed, pids, through_held
+from tests.test_train_ddp import plan as ddp_plan
 from tests.test_train_ddp import records, run_to_end, stop_generation, watch
 
 pytest.importorskip("torch")
@@ -37,30 +37,16 @@ def plan(
     live: bool = False,
     total_steps: int = TOTAL_STEPS,
 ) -> GenerationPlan:
-    """Nodes by index (node-<i>, local) or by instance id (Kubernetes)."""
-    (tmp_path / job).mkdir(exist_ok=True)
-    p = GenerationPlan(
-        job=job,
-        generation=generation,
-        members=[
-            Member(
-                node_id=n if isinstance(n, str) else f"node-{n}", address="127.0.0.1", procs=PROCS
-            )
-            for n in nodes
-        ],
-        command=[
-            sys.executable,
-            str(EXAMPLE),
-            "--record",
-            str(tmp_path / job),
-            "--step-time",
-            "0.05",
-        ],
-        checkpoint=f"file://{tmp_path}/{job}/store",
-        scale_config={"lr": 3e-3, "ckpt_every": 1000},  # (no periodic checkpoint to fall to)
-        global_batch_size=GLOBAL_BATCH,
-        total_steps=total_steps,
-    )
+    """The DDP example's plan (tests/test_train_ddp.py) for this one: nodes by index
+    (node-<i>, local) or by instance id (Kubernetes), each of PROCS processes."""
+    p = ddp_plan(tmp_path, generation, len(nodes), job, total_steps, ckpt_every=1000)
+    p.command[1], p.command[-1] = str(EXAMPLE), "0.05"
+    p.members = [
+        Member(node_id=n if isinstance(n, str) else f"node-{n}", address="127.0.0.1", procs=PROCS)
+        for n in nodes
+    ]
+    p.scale_config["lr"] = 3e-3
+    p.global_batch_size = GLOBAL_BATCH
     return p.model_copy(update={"resize": "live", "collective_timeout_s": 10.0}) if live else p
 
 
