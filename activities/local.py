@@ -498,14 +498,23 @@ class LocalRuntime:
     # --- for the spot simulator ----------------------------------------------------------
 
     def kill_node(self, job: str, node_id: str) -> list[int]:
-        """The node's instance is gone, so are its processes (every generation); the ranks
+        """The node's instance is gone, so are its processes (every generation), all at once:
+        one of its ranks never outlives another long enough to see it die and park. The ranks
         that were still running."""
-        killed = []
-        for generation in self._generations(job):
-            for r in self._ranks(job, generation):
-                if (r.record() or {}).get("node_id") == node_id and self._kill([r]):
-                    killed.append(r.rank)
-        return killed
+        on_node = [
+            r
+            for generation in self._generations(job)
+            for r in self._ranks(job, generation)
+            if (r.record() or {}).get("node_id") == node_id
+        ]
+        # (a rank adopted by a live resize is one process under several generations' ranks:
+        # named by the first)
+        running: dict[int, int] = {}
+        for r in on_node:
+            if (pid := r.live_pid()) is not None:
+                running.setdefault(pid, r.rank)
+        self._kill(on_node)
+        return list(running.values())
 
     # --- helpers -------------------------------------------------------------------------
 
