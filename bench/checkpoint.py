@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from moto.server import ThreadedMotoServer
 
     from spotrain.elastic.job_store import JobStore
-    from spotrain.workers.stack import free_port
+    from spotrain.workers.embedded.stack import free_port
 
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

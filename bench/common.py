@@ -18,9 +18,9 @@ from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.binaries import temporal_cli, temporal_test_server
-from spotrain.workers.spot_market import Trace
-from spotrain.workflows import attributes
+from spotrain.workers.embedded.binaries import temporal_cli, temporal_test_server
+from spotrain.workers.embedded.spot_market import Trace
+from spotrain.workflows.job import attributes
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"

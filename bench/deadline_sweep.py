@@ -1,6 +1,6 @@
 """Deadlines: spotrain's own deadline policy (the job spec's `deadline`, decided in
-`workflows/deadline.py`) against the benchmark's earlier greedy controller, on the same trace
-and work, over a sweep of deadlines (multiples of the all-on-demand time).
+`workflows/policies/deadline.py`) against the benchmark's earlier greedy controller, on the
+same trace and work, over a sweep of deadlines (multiples of the all-on-demand time).
 
     .venv/bin/python -m bench.goodput --deadline-factors 1.1,1.25,1.5,2 [...]
 
@@ -19,7 +19,7 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimJob
-from spotrain.workflows.state import JobStatus
+from spotrain.workflows.job.state import JobStatus
 
 from .goodput import Row, RunFn, Setup, job_spec, new_run, on_fresh_server, spotrain
 

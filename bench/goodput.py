@@ -45,7 +45,7 @@ from spotrain.workflows.contract import (
     WatchRequest,
     WatchResult,
 )
-from spotrain.workflows.state import JobResult, JobStatus
+from spotrain.workflows.job.state import JobResult, JobStatus
 
 from .common import REPO, load_traces, publish, table
 from .goodput_harness import RowLog, RunFn, Wedged, on_fresh_server

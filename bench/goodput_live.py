@@ -1,7 +1,7 @@
 """The goodput benchmark's measured inputs for what a resize and a launch cost: live resize's
 pauses (bench/live_resize.py), the state's hand-over (bench/handover.py), and a node's boot to
 ready. Pure functions over the results files, so that the model is tested apart from the
-workflow runs (tests/test_goodput_live.py)."""
+workflow runs (tests/bench/test_goodput_live.py)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spotrain.workers.stack import free_port
+from spotrain.workers.embedded.stack import free_port
 
 from .common import REPO, publish, summary
 

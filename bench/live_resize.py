@@ -7,7 +7,7 @@
 The whole path as a user runs it: the real TrainingJob workflow on the Temporal dev server,
 the simulated cloud (always capacity) and the rank runtime starting real PyTorch DDP ranks
 (examples/train_ddp.py: gloo, CPU, 3 ranks, 20 ms steps): local processes, or pods on the
-real Kubernetes control plane whose commands tests/kube_kubelet.py runs here in place of a
+real Kubernetes control plane whose commands tests/kube/kube_kubelet.py runs here in place of a
 kubelet (each instance a node; a node lost with its instance). The same job runs twice, with
 `elastic.resize: restart` and `live`. Each job gets `--reclaims` reclaim notices (a shrink,
 then growth back when the replacement is ready) and `--losses` nodes lost without notice (a
@@ -58,12 +58,12 @@ from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.elastic.job_store import JobStore
-from spotrain.workers.stack import port_block
+from spotrain.workers.embedded.stack import port_block
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
-from spotrain.workflows.state import JobStatus, Phase, TimelineEntry
-from tests.k8s_cluster import NAMESPACE, ControlPlane, binaries
-from tests.kube_kubelet import LocalKubelet, nodes_follow_instances
+from spotrain.workflows.job.state import JobStatus, Phase, TimelineEntry
+from tests.kube.k8s_cluster import NAMESPACE, ControlPlane, binaries
+from tests.kube.kube_kubelet import LocalKubelet, nodes_follow_instances
 
 from .common import REPO, dev_server, publish, summary
 
@@ -228,7 +228,7 @@ def rank_runtime(
         runtime = LocalRuntime(root / "rt", term_grace_s=2)
         yield runtime, runtime.kill_node
         return
-    # Kubernetes: the real control plane; the kubelet stood in for (tests/kube_kubelet.py).
+    # Kubernetes: the real control plane; the kubelet stood in for (tests/kube/kube_kubelet.py).
     with ControlPlane.running(binaries(build=True)) as cluster:
         core = kube_client.CoreV1Api(cluster.admin)
         kubelet = LocalKubelet(core, NAMESPACE, root / "kubelet")

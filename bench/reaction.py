@@ -45,12 +45,12 @@ from temporalio.client import Client, WorkflowHandle
 
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.workers.webhook import WebhookConfig, WebhookService
-from spotrain.workers.webhook_auth import AuthConfig
+from spotrain.workers.webhook.auth import AuthConfig
+from spotrain.workers.webhook.server import WebhookConfig, WebhookService
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
-from spotrain.workflows.state import JobStatus
-from tests import imds_mock
+from spotrain.workflows.job.state import JobStatus
+from tests.aws import imds_mock
 
 from . import reaction_paths as paths
 from .common import REPO, dev_server, publish, summary

@@ -3,12 +3,12 @@ runtime, EC2 instance metadata, and SIGTERM, each with real rank processes using
 `spotrain.elastic`.
 
 - Kubernetes: `KubeRuntime` as its ServiceAccount against the real control plane of the tests
-  (tests/k8s_cluster.py: etcd, kube-apiserver, kube-scheduler, built by
-  infra/k8s/controlplane/build.sh) with tests/kube_kubelet.py standing in for the kubelet: it
+  (tests/kube/k8s_cluster.py: etcd, kube-apiserver, kube-scheduler, built by
+  infra/k8s/controlplane/build.sh) with tests/kube/kube_kubelet.py standing in for the kubelet: it
   runs each bound pod's command as a local process with the pod's environment and never
   refreshes the downwardAPI file (a real kubelet does that on its sync period, about a
   minute), so the ranks hear the control record in the store, only.
-- IMDS: AWS's ec2-metadata-mock (tests/imds_mock.py) with a spot interruption after a delay.
+- IMDS: AWS's ec2-metadata-mock (tests/aws/imds_mock.py) with a spot interruption after a delay.
 - SIGTERM: a rank sent SIGTERM, until its checkpoint ack is in the store.
 """
 
@@ -34,9 +34,9 @@ from spotrain.activities.kube import KubeRuntime
 from spotrain.elastic import environment
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
-from tests import imds_mock
-from tests.k8s_cluster import NAMESPACE, ControlPlane, binaries
-from tests.kube_kubelet import LocalKubelet
+from tests.aws import imds_mock
+from tests.kube.k8s_cluster import NAMESPACE, ControlPlane, binaries
+from tests.kube.kube_kubelet import LocalKubelet
 
 
 def kube_reclaims(root: Path, script: Path, times: Path, reclaims: int, nodes: int) -> list[float]:

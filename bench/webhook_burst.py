@@ -5,7 +5,7 @@
 
 The Temporal dev server allowing `--visibility-rps` (40) visibility calls a second (where the
 webhook as it was before issue 27 answered a few percent of this burst 503), `python -m
-spotrain.workers.webhook` as a process of its own, and N running jobs: a stand-in workflow
+spotrain.workers.webhook.server` as a process of its own, and N running jobs: a stand-in workflow
 that upserts `SpotrainNodeIds` as TrainingJob does and keeps the event ids it is signalled
 (the real workflow would shrink on each notice; what is measured here is the webhook). The
 notices (`POST /v1/reclaims`, kind `rebalance`, one event id each, round robin over every
@@ -46,8 +46,8 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from spotrain.workflows import attributes
 from spotrain.workflows.contract import ReclaimNotice
+from spotrain.workflows.job import attributes
 
 from .common import REPO, dev_server, publish, summary
 
@@ -112,7 +112,7 @@ async def webhook_process(address: str, settings: dict[str, str]) -> AsyncIterat
         **settings,
     }
     with tempfile.TemporaryFile() as log:
-        cmd = [sys.executable, "-m", "spotrain.workers.webhook"]
+        cmd = [sys.executable, "-m", "spotrain.workers.webhook.server"]
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

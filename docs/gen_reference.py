@@ -4,10 +4,10 @@
     python docs/gen_reference.py --check   # exit 1, naming the stale pages, if any differs
 
 Each page is read off the thing it documents: the job spec from its pydantic models
-(workflows/spec.py), the CLI from its argparse parsers (workers/cli.py and the parsers of
+(workflows/spec.py), the CLI from its argparse parsers (workers/cli/main.py and the parsers of
 `dev`, `demo`, `worker`, `webhook`), the workflows' signals, updates and queries from their
 Temporal definitions, metrics from the instruments the source creates, the webhook's API from
-workers/webhook_openapi.yaml. tests/test_docs.py runs `--check`.
+workers/webhook/openapi.yaml. tests/docs/test_docs.py runs `--check`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def plain_environment() -> Iterator[None]:
 
 def commands() -> list[tuple[str, argparse.ArgumentParser]]:
     """Every `spotrain` command that takes options, by its full name, with its parser."""
-    from spotrain.workers import cli
+    from spotrain.workers.cli import main as cli
 
     with plain_environment():
         top = cli.parser()
@@ -187,7 +187,7 @@ def shown_default(action: argparse.Action) -> str:
 def cli_page() -> str:
     out = [
         "# CLI reference\n\n",
-        "Every `spotrain` command and option, read off its parser (`workers/cli.py`, and the "
+        "Every `spotrain` command and option, read off its parser (`workers/cli/main.py`, and the "
         "parsers of `dev`, `demo`, `worker` and `webhook`). Defaults are shown with no "
         "`SPOTRAIN_*` or `TEMPORAL_*` variable set. Every command connects to Temporal with "
         "the SDK's standard settings (`TEMPORAL_ADDRESS`, default `localhost:7233`, "
@@ -195,7 +195,7 @@ def cli_page() -> str:
         "Exit codes: 0 ok, 1 failed or rejected, 2 bad usage or invalid input, 3 Temporal "
         "unreachable. More on each command: [the CLI guide](../cli.md).\n",
     ]
-    from spotrain.workers.cli import CONNECTION as connection
+    from spotrain.workers.cli.main import CONNECTION as connection
 
     for name, p in commands():
         usage = " ".join(p.format_usage().split()).removeprefix("usage: ")
@@ -278,9 +278,9 @@ def handler_doc(fn: Any, arg: Any, ret: Any) -> str:
 
 
 def workflow_page() -> str:
-    from spotrain.workflows import attributes
-    from spotrain.workflows.pool import CapacityPool
-    from spotrain.workflows.training_job import TrainingJob
+    from spotrain.workflows.capacity.pool import CapacityPool
+    from spotrain.workflows.job import attributes
+    from spotrain.workflows.job.training_job import TrainingJob
 
     out = [
         "# Workflow API reference\n\n",
@@ -372,7 +372,7 @@ def metrics_found() -> list[tuple[str, str, str, str, str]]:
 
 
 def metrics_page() -> str:
-    from spotrain.workers.webhook_metrics import LATENCY_BUCKETS
+    from spotrain.workers.webhook.metrics import LATENCY_BUCKETS
 
     out = [
         "# Metrics reference\n\n",
@@ -394,11 +394,11 @@ def metrics_page() -> str:
 
 
 def webhook_page() -> str:
-    path = ROOT / "workers" / "webhook_openapi.yaml"
+    path = ROOT / "workers" / "webhook" / "openapi.yaml"
     api = yaml.safe_load(path.read_text())
     out = [
         f"# Webhook API reference\n\n{cell(api['info'].get('title', ''))}, OpenAPI "
-        f"{api['openapi']}, from `workers/webhook_openapi.yaml`. "
+        f"{api['openapi']}, from `workers/webhook/openapi.yaml`. "
         "[The webhook guide](../webhook.md) says how to deploy and secure it.\n\n",
         "| method | path | summary | responses |\n|---|---|---|---|\n",
     ]

@@ -44,9 +44,9 @@ MBT = _in("test_make_before_break_planner.py")
 AUTH = _in("test_webhook_auth.py")
 EC2 = _in("test_ec2.py")
 HO = _in("test_handover.py")
-JP = "workflows/job_planner.py"
-PL = "workflows/planner.py"
-MB = "workflows/make_before_break.py"
+JP = "workflows/job/job_planner.py"
+PL = "workflows/job/planner.py"
+MB = "workflows/policies/make_before_break.py"
 
 # --- the planner: each documented spec field's effect ----------------------------------------
 PLANNER_BREAKS = [
@@ -326,7 +326,7 @@ PLANNER_BREAKS = [
 ]
 
 # --- webhook auth: who may send a notice -------------------------------------------------------
-AUTH_PY = "workers/webhook_auth.py"
+AUTH_PY = "workers/webhook/auth.py"
 AUTH_BREAKS = [
     Break(
         "bearer token compared whole",
@@ -373,7 +373,7 @@ AUTH_BREAKS = [
 ]
 
 # --- notice parsing: a deadline is read in its own zone ---------------------------------------
-EVENTS_PY = "workers/webhook_events.py"
+EVENTS_PY = "workers/webhook/events.py"
 NOTICE_BREAKS = [
     Break(
         "deadline offset converted, not relabelled",
@@ -518,9 +518,9 @@ SUITE_BREAKS = [
     ),
 ]
 
-# --- make-before-break's warning rule (workflows/warning_rule.py) --------------------------------
-WR = "workflows/warning_rule.py"
-WRT = ("tests/test_warning_rule.py",)
+# --- make-before-break's warning rule (workflows/policies/warning_rule.py) --------------------------------
+WR = "workflows/policies/warning_rule.py"
+WRT = ("tests/workflows/test_warning_rule.py",)
 WARNING_RULE_BREAKS = [
     Break(
         "warning rule: a false positive pays the swap's pause",

@@ -18,8 +18,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.local import Rank
-from spotrain.workers.binaries import temporal_cli, temporal_test_server
-from spotrain.workflows import attributes
+from spotrain.workers.embedded.binaries import temporal_cli, temporal_test_server
+from spotrain.workflows.job import attributes
 from tests import assert_diff
 
 # Hypothesis fails an example that takes over 200 ms, and a test whose examples are slow to

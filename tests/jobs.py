@@ -21,10 +21,10 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workers.worker import workflow_worker
-from spotrain.workflows.pool import PoolConfig, pool_workflow_id
-from spotrain.workflows.state import JobResult, JobStatus
+from spotrain.workflows.capacity.pool import PoolConfig, pool_workflow_id
+from spotrain.workflows.job.state import JobResult, JobStatus
 
-HISTORIES = Path(__file__).parent / "histories"
+HISTORIES = Path(__file__).parent / "replay" / "histories"
 M = TypeVar("M", bound=BaseModel)
 
 BASE_SPEC: dict[str, Any] = {
@@ -196,7 +196,7 @@ def sizes(result_or_status: Any) -> list[int]:
 
 async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
     """With SPOTRAIN_RECORD=1, save every run of the job (continue-as-new makes several) for
-    the replay tests. Re-recording is deliberate: see tests/test_replay.py."""
+    the replay tests. Re-recording is deliberate: see tests/replay/test_replay.py."""
     if os.environ.get("SPOTRAIN_RECORD") != "1":
         return
     HISTORIES.mkdir(exist_ok=True)

@@ -169,7 +169,9 @@ def test_every_break_matches_todays_code() -> None:
 def test_the_copy_imports_its_own_code(tmp_path: Path) -> None:
     """Else every break would run against the working tree's unbroken code."""
     root = copy_repo(tmp_path)
-    code = "import spotrain.workflows.job_planner as m, spotrain.elastic as e; print(m.__file__)"
+    code = (
+        "import spotrain.workflows.job.job_planner as m, spotrain.elastic as e; print(m.__file__)"
+    )
     code += "; print(e.__file__)"
     env = {**os.environ, "PYTHONPATH": str(root / "_site"), "PYTHONDONTWRITEBYTECODE": "1"}
     out = subprocess.run(

@@ -60,7 +60,8 @@ def test_install_step_on_the_copied_files(tmp_path: Path) -> None:
         pip.append("--no-build-isolation")  # else pip fetches it, as `docker build` does
     subprocess.run([*pip, "--target", str(site), str(src)], check=True, timeout=240)
     check = (
-        "import spotrain.workers.operator as o, spotrain.workers.k8s_crd as c, spotrain.elastic;"
+        "import spotrain.workers.k8s.operator as o, spotrain.workers.k8s.crd as c;"
+        "import spotrain.elastic;"
         f"assert o.__file__.startswith({str(site)!r}), o.__file__; print(len(c.render()))"
     )
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
@@ -69,7 +70,7 @@ def test_install_step_on_the_copied_files(tmp_path: Path) -> None:
     )
     assert done.returncode == 0 and int(done.stdout) > 1000, done.stderr
     help_ = subprocess.run(
-        [sys.executable, "-m", "spotrain.workers.operator", "--help"],
+        [sys.executable, "-m", "spotrain.workers.k8s.operator", "--help"],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert "--task-queue" in help_.stdout, help_.stderr

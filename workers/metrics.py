@@ -20,7 +20,7 @@ from temporalio.client import Client
 from temporalio.common import MetricMeter
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
-from spotrain.workflows.state import JobStatus
+from spotrain.workflows.job.state import JobStatus
 
 log = logging.getLogger("spotrain.metrics")
 STOPPED = ("generation checkpointed", "generation stopped")

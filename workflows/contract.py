@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spotrain.workflows.checkpoints import CheckpointStats
-from spotrain.workflows.stragglers import RankSteps
+from spotrain.workflows.job.checkpoints import CheckpointStats
+from spotrain.workflows.policies.stragglers import RankSteps
 
 Lifecycle = Literal["spot", "on-demand"]
 

@@ -157,7 +157,7 @@ class OnDemandPolicy(Strict):
 
 class StragglerPolicy(Strict):
     """Ranks much slower than their own history and their peers, or hung while their peers
-    step: flagged in `status`, then their node replaced (workflows/stragglers.py)."""
+    step: flagged in `status`, then their node replaced (workflows/policies/stragglers.py)."""
 
     slowdown: bounded(float, 1, MAX_SLOWDOWN, above=True) = Field(
         2.0, description="flag a rank whose recent steps take this many times longer"
@@ -298,7 +298,7 @@ class ElasticPolicy(Strict):
 
 class DeadlinePolicy(Strict):
     """Finish by a time: spot while an on-demand finish stays safely possible, else on-demand
-    (the policy and its figures: `workflows/deadline.py`)."""
+    (the policy and its figures: `workflows/policies/deadline.py`)."""
 
     at: datetime | None = Field(None, description="finish by this time (ISO 8601, with zone)")
     max_duration_s: PositiveSeconds | None = Field(

@@ -15,7 +15,7 @@ from moto.ec2 import models
 from moto.ec2.exceptions import EC2ClientError
 from werkzeug.exceptions import HTTPException
 
-from spotrain.workers.spot_market import terminate_as_reclaimed
+from spotrain.workers.embedded.spot_market import terminate_as_reclaimed
 
 
 class ServiceUnavailable(HTTPException):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from spotrain.workers.stack import free_port
+from spotrain.workers.embedded.stack import free_port
 
 MODULE = "github.com/aws/amazon-ec2-metadata-mock/cmd/ec2-metadata-mock@v1.13.0"
 CACHE = Path.home() / ".cache" / "spotrain" / "bin"

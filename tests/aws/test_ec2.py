@@ -1,7 +1,7 @@
 """The EC2 node provider against moto's EC2 server on a loopback port (real boto3, real HTTP).
 
 Capacity errors, throttling and 5xx are injected by patching moto's EC2 backend in-process
-(tests/ec2_support.py): this is how moto can produce them at all. Activities run under
+(tests/aws/ec2_support.py): this is how moto can produce them at all. Activities run under
 temporalio's ActivityEnvironment (a real activity context, so heartbeats work), and once
 through a real Temporal worker to prove the names, payloads and typed errors cross it.
 """
@@ -53,13 +53,13 @@ from spotrain.workflows.contract import (
     Offer,
     ReleaseRequest,
 )
+from spotrain.workflows.job.state import JobResult, JobStatus
 from spotrain.workflows.spec import InstanceType, SpotPolicy
-from spotrain.workflows.state import JobResult, JobStatus
-from tests.ec2_support import ServiceUnavailable, ec2_error, first_n, inject, reclaim
+from tests.aws.ec2_support import ServiceUnavailable, ec2_error, first_n, inject, reclaim
 from tests.jobs import fast_runtime, fast_spec, polled
 
 ENV = ActivityEnvironment()
-POLICY = Path(__file__).resolve().parent.parent / "infra" / "aws" / "iam-policy.json"
+POLICY = Path(__file__).resolve().parents[2] / "infra" / "aws" / "iam-policy.json"
 
 
 @pytest.fixture(scope="module")

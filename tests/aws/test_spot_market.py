@@ -17,7 +17,7 @@ from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.ec2 import EC2Provider
 from spotrain.activities.local import LocalRuntime
-from spotrain.workers.spot_market import SpotMarket, Trace
+from spotrain.workers.embedded.spot_market import SpotMarket, Trace
 from spotrain.workflows.contract import Offer
 from spotrain.workflows.spec import InstanceType, SpotPolicy
 

@@ -16,7 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from bench import checkpoint, goodput, goodput_harness, live_resize, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
-from tests.k8s_cluster import control_plane_or_skip
+from tests.kube.k8s_cluster import control_plane_or_skip
 
 # Two zones of 4 nodes at 300 s ticks: all, then a drop, a gap, and back.
 TICKS_A = [4, 4, 4, 4, 2, 0, 0, 0, 4, 4, 4, 4] * 4

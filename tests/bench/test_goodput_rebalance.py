@@ -14,8 +14,7 @@ import pytest
 
 from bench import goodput, goodput_rebalance
 from bench.goodput_rebalance import Recommendations
-
-from .test_bench_smoke import TICKS_A, write_trace
+from tests.bench.test_bench_smoke import TICKS_A, write_trace
 
 
 def test_the_default_is_the_published_sample() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest_asyncio
 
-from .harness import ChaosEnv, TemporalServer
+from tests.chaos.harness import ChaosEnv, TemporalServer
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

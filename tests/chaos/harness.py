@@ -42,10 +42,10 @@ from temporalio.service import RPCError
 from spotrain.activities.ec2_ownership import LIVE_STATES, TAG_JOB, TAG_SLOT
 from spotrain.activities.local import job_processes
 from spotrain.elastic.job_store import JobStore
-from spotrain.workers.binaries import temporal_cli
-from spotrain.workers.stack import free_port
-from spotrain.workflows import attributes
-from spotrain.workflows.state import JobResult, JobStatus
+from spotrain.workers.embedded.binaries import temporal_cli
+from spotrain.workers.embedded.stack import free_port
+from spotrain.workflows.job import attributes
+from spotrain.workflows.job.state import JobResult, JobStatus
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = Path(__file__).with_name("train.py")

@@ -14,10 +14,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from spotrain.workers.binaries import temporal_cli
+from spotrain.workers.embedded.binaries import temporal_cli
 from spotrain.workflows.spec import SpecError, parse_spec
-
-from .harness import FULL, ChaosEnv, WorkerProcess
+from tests.chaos.harness import FULL, ChaosEnv, WorkerProcess
 
 QUEUE = "bad-specs"
 FAIL_FAST_S = 10.0

@@ -11,9 +11,7 @@ import asyncio
 import os
 import re
 
-from tests.jobs import record_history
-
-from .harness import (
+from tests.chaos.harness import (
     CYCLE_SIZES,
     FULL,
     ChaosEnv,
@@ -26,6 +24,7 @@ from .harness import (
     supervise,
     until,
 )
+from tests.jobs import record_history
 
 POINTS = [
     "before:stop_generation",

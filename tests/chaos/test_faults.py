@@ -14,11 +14,9 @@ from typing import Any
 import pytest
 from moto.ec2.responses import EC2Response
 
-from spotrain.workflows.state import JobResult
-from tests import ec2_support
-from tests.jobs import record_history
-
-from .harness import (
+from spotrain.workflows.job.state import JobResult
+from tests.aws import ec2_support
+from tests.chaos.harness import (
     CYCLE_SIZES,
     FULL,
     ChaosEnv,
@@ -33,6 +31,7 @@ from .harness import (
     supervise,
     until,
 )
+from tests.jobs import record_history
 
 FLAKY_ACTIONS = [
     "run_instances",
@@ -181,7 +180,7 @@ async def stop_at_random(
         await handle.terminate("chaos")
         worker.stop()  # the controller settles: no activity is still starting things
         gc = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "spotrain.workers.cli", "gc", "--apply", "--json"),
+            *(sys.executable, "-m", "spotrain.workers.cli.main", "gc", "--apply", "--json"),
             *("--state-dir", str(env.state_dir)),
             env=os.environ | env.worker_env(),
             stdout=asyncio.subprocess.PIPE,

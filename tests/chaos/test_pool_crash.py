@@ -13,10 +13,9 @@ import asyncio
 import time
 
 from spotrain.activities.ec2_ownership import LIVE_STATES
-from spotrain.workflows.pool import PoolConfig, PoolStatus, pool_workflow_id
-from spotrain.workflows.state import JobResult
-
-from .harness import (
+from spotrain.workflows.capacity.pool import PoolConfig, PoolStatus, pool_workflow_id
+from spotrain.workflows.job.state import JobResult
+from tests.chaos.harness import (
     ChaosEnv,
     Figures,
     WorkerProcess,

@@ -29,13 +29,12 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.ec2_ownership import MANAGED, TAG_JOB
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore, open_store
-from spotrain.workers.cli_views import status_view
-from spotrain.workers.webhook import WebhookConfig, WebhookService
-from spotrain.workers.webhook_auth import AuthConfig
-from spotrain.workflows.state import JobStatus
-
-from .jobs import Sim, fast_runtime, fast_spec, simulated
-from .test_planner_job import T0, node, running, state
+from spotrain.workers.cli.views import status_view
+from spotrain.workers.webhook.auth import AuthConfig
+from spotrain.workers.webhook.server import WebhookConfig, WebhookService
+from spotrain.workflows.job.state import JobStatus
+from tests.jobs import Sim, fast_runtime, fast_spec, simulated
+from tests.workflows.test_planner_job import T0, node, running, state
 
 TOKEN = "cli-test-token"
 
@@ -59,7 +58,7 @@ class Cli:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "spotrain.workers.cli",
+            "spotrain.workers.cli.main",
             *argv,
             env=self.env | env,
             stdout=asyncio.subprocess.PIPE,

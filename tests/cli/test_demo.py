@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from spotrain.activities.local import LocalRuntime, job_processes
-from spotrain.workers.demo import Progress
+from spotrain.workers.embedded.demo import Progress
 from spotrain.workflows.contract import CleanupRequest
-from spotrain.workflows.state import JobStatus, Phase
+from spotrain.workflows.job.state import JobStatus, Phase
 
 pytest.importorskip("torch")
 
@@ -75,7 +75,7 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
     bare `python` with no `python` on PATH."""
     record, tmp = tmp_path / "record", tmp_path / "tmp"
     tmp.mkdir()
-    command = [sys.executable, "-m", "spotrain.workers.demo", "--steps", str(STEPS)]
+    command = [sys.executable, "-m", "spotrain.workers.embedded.demo", "--steps", str(STEPS)]
     command += ["--step-time", "0.02", "--record", str(record)]
     env = os.environ | {"TMPDIR": str(tmp), "PATH": str(tmp_path / "nothing")}
     try:

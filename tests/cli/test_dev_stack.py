@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from spotrain.workers.stack import free_port, port_block
+from spotrain.workers.embedded.stack import free_port, port_block
 
 
 def processes_using(path: Path) -> list[int]:
@@ -43,7 +43,7 @@ class Dev:
         ports = [
             arg for name, port in zip(names, self.ports, strict=True) for arg in (name, str(port))
         ]
-        command = [sys.executable, "-m", "spotrain.workers.cli", "dev"]
+        command = [sys.executable, "-m", "spotrain.workers.cli.main", "dev"]
         proc = subprocess.Popen(
             [*command, "--state-dir", str(self.state), *ports],
             stdout=subprocess.PIPE,
@@ -65,7 +65,7 @@ class Dev:
         raise AssertionError("spotrain dev did not come up: " + "".join(lines))
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "spotrain.workers.cli", *args]
+        command = [sys.executable, "-m", "spotrain.workers.cli.main", *args]
         return subprocess.run(command, capture_output=True, text=True, env=self.env, timeout=60)
 
     def interrupt(self, proc: subprocess.Popen[str]) -> int:
@@ -89,7 +89,7 @@ def test_ctrl_c_stops_everything_and_temporal_state_survives_a_restart(tmp_path:
         )
         assert "SPOTRAIN_WEBHOOK_TOKEN" in exports and "SPOTRAIN_EC2_ENDPOINT" in exports
         gc = subprocess.run(
-            ["bash", "-c", f"{exports}\n{sys.executable} -m spotrain.workers.cli gc"],
+            ["bash", "-c", f"{exports}\n{sys.executable} -m spotrain.workers.cli.main gc"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -23,14 +23,13 @@ from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.local import LocalRuntime, job_processes
-from spotrain.workers.stack import free_port
+from spotrain.workers.embedded.stack import free_port
 from spotrain.workflows.contract import CleanupRequest
-from spotrain.workflows.state import JobStatus
+from spotrain.workflows.job.state import JobStatus
+from tests.jobs import FAST_ELASTIC, merge
 
-from .jobs import FAST_ELASTIC, merge
-
-TRAIN = Path(__file__).parent / "chaos" / "train.py"
-REPO = Path(__file__).resolve().parent.parent
+TRAIN = Path(__file__).parents[1] / "chaos" / "train.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def scrape(address: str) -> dict[str, float]:
@@ -49,7 +48,14 @@ async def test_worker_serves_sdk_and_job_metrics_and_json_logs(
 ) -> None:
     queue, address = f"metrics-{uuid.uuid4().hex[:6]}", f"127.0.0.1:{free_port()}"
     env = os.environ | {"TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host}
-    command = [sys.executable, "-m", "spotrain.workers.cli", "worker", "--provider", "simulated"]
+    command = [
+        sys.executable,
+        "-m",
+        "spotrain.workers.cli.main",
+        "worker",
+        "--provider",
+        "simulated",
+    ]
     command += ["--runtime", "local", "--task-queue", queue, "--state-dir", str(tmp_path)]
     command += ["--metrics", address, "--metrics-interval-s", "1", "--json-logs"]
     logs = tmp_path / "worker.log"

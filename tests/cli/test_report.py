@@ -20,8 +20,7 @@ from rich.console import Console
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.metrics import JobMetrics
-from spotrain.workers.report import (
+from spotrain.workers.cli.report import (
     PlotUnavailable,
     Report,
     plot,
@@ -29,9 +28,9 @@ from spotrain.workers.report import (
     to_html,
     trained_world,
 )
-from spotrain.workflows.state import JobResult, JobStatus, TimelineEntry
-
-from .jobs import fast_runtime, fast_spec, simulated
+from spotrain.workers.metrics import JobMetrics
+from spotrain.workflows.job.state import JobResult, JobStatus, TimelineEntry
+from tests.jobs import fast_runtime, fast_spec, simulated
 
 FINAL_STATUS: list[JobStatus] = []  # the finished job's `status`, for the metrics test
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from spotrain.workers import report_picture
-from spotrain.workers.report import Cost, Report, to_html
-from spotrain.workflows.state import Phase, TimelineEntry
+from spotrain.workers.cli import report_picture
+from spotrain.workers.cli.report import Cost, Report, to_html
+from spotrain.workflows.job.state import Phase, TimelineEntry
 
 T0 = datetime(2026, 11, 25, tzinfo=UTC)
 

@@ -14,9 +14,8 @@ import boto3
 from temporalio.client import WorkflowExecutionStatus
 
 from spotrain.activities.ec2_ownership import MANAGED, TAG_JOB
-
-from .jobs import fast_spec
-from .test_cli import Cli, cli, write  # noqa: F401 (the fixture)
+from tests.cli.test_cli import Cli, cli, write  # noqa: F401 (the fixture)
+from tests.jobs import fast_spec
 
 ERROR = "Failed decoding arguments"
 

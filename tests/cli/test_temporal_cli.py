@@ -14,9 +14,8 @@ from typing import Any
 
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.binaries import temporal_cli
-
-from .jobs import fast_runtime, fast_spec, simulated
+from spotrain.workers.embedded.binaries import temporal_cli
+from tests.jobs import fast_runtime, fast_spec, simulated
 
 
 async def temporal(address: str, *argv: str) -> Any:

@@ -1,7 +1,7 @@
 """Who may reach Temporal: every spotrain process connects through the SDK's environment
 configuration (workers/connect.py), so mutual TLS set there (TEMPORAL_TLS_* or a profile in
 temporal.toml) holds for the CLI, the worker and the webhook alike. Against the real dev
-server behind a TLS front that requires a client certificate (tests/tls_proxy.py: the dev
+server behind a TLS front that requires a client certificate (tests/cli/tls_proxy.py: the dev
 server has no TLS of its own): with the certificate they work, without it or with one from
 another CA they fail, saying where they could not connect, and no secret reaches the output."""
 
@@ -22,11 +22,10 @@ from cryptography import x509
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.connect import connect
-from spotrain.workflows.state import JobResult
-
-from .jobs import fast_runtime, fast_spec, simulated
-from .k8s_certs import dn, issue_cert, new_key, pem_key
-from .tls_proxy import TlsProxy
+from spotrain.workflows.job.state import JobResult
+from tests.cli.tls_proxy import TlsProxy
+from tests.jobs import fast_runtime, fast_spec, simulated
+from tests.kube.k8s_certs import dn, issue_cert, new_key, pem_key
 
 
 @dataclass
@@ -119,7 +118,7 @@ async def spotrain(env: dict[str, str], *argv: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "spotrain.workers.cli",
+        "spotrain.workers.cli.main",
         *argv,
         env=env,
         stdout=asyncio.subprocess.PIPE,

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "docs" / "config" / "mkdocs.yml"
 
 

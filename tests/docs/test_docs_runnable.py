@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_dev_stack import Dev
+from tests.cli.test_dev_stack import Dev
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUNNABLE = re.compile(r"^```\{\.sh \.runnable\}\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 

@@ -22,7 +22,7 @@ from spotrain.workflows.contract import (
     WatchRequest,
     WatchResult,
 )
-from spotrain.workflows.planner import local_batch_size
+from spotrain.workflows.job.planner import local_batch_size
 
 WORLDS = {0: 2, 1: 3, 2: 2}  # generation -> ranks in `reclaim_then_loss`
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

@@ -25,10 +25,9 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore, StoreUnusable, checked_store
-from spotrain.workers.stack import free_port
+from spotrain.workers.embedded.stack import free_port
 from spotrain.workflows.contract import CONFIG_ERROR
-
-from .jobs import job_spec, simulated
+from tests.jobs import job_spec, simulated
 
 pytest.importorskip("torch")
 pytest.importorskip("s3torchconnector")

@@ -1,6 +1,6 @@
 """The control channel with real rank processes using the training library: the control
 record in a file store and in S3 (moto's server), the control file fallback, a channel that
-cannot be reached, SIGTERM, and EC2 instance metadata from AWS's own mock (tests/imds_mock.py).
+cannot be reached, SIGTERM, and EC2 instance metadata from AWS's own mock (tests/aws/imds_mock.py).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from spotrain.activities.notice import raise_elastic_event
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.elastic import environment
 from spotrain.elastic.job_store import JobStore
-from spotrain.workers.stack import free_port
+from spotrain.workers.embedded.stack import free_port
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member, StopRequest
-from spotrain.workflows.state import JobStatus
-from tests import imds_mock
+from spotrain.workflows.job.state import JobStatus
+from tests.aws import imds_mock
 from tests.jobs import process_spec
 
 # Steps every 10 ms until the elastic event, counting steps in OUT.steps; then acks (unless

@@ -25,7 +25,7 @@ from spotrain.workflows.contract import GenerationPlan, Member
 @pytest.fixture(autouse=True)
 def fresh_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The library caches per process (one rank = one process); a test is a new 'process'.
-    No SIGTERM handler in pytest's own process (tests/test_control_channel.py covers it)."""
+    No SIGTERM handler in pytest's own process (tests/elastic/test_control_channel.py covers it)."""
     monkeypatch.setattr(elastic, "_channel", None)
     monkeypatch.setattr(elastic, "_last_progress", 0.0)
     monkeypatch.setenv(elastic.SIGTERM_ENV, "0")
@@ -200,7 +200,8 @@ def test_a_section_written_as_stuck_is_rewritten_at_the_next_step(
     """Under load a rank's ordinary work can outlast STUCK_AFTER_S, and the stuck watch writes
     it as stuck: its next step rewrites the record at once, not STEP_TIMES_INTERVAL_S later.
     Else a rank that then waits in a collective (a peer hung) still looks stuck in its own
-    work, and the lockstep job has no culprit (tests/test_stragglers.py, lockstep-hang)."""
+    work, and the lockstep job has no culprit (tests/workflows/test_stragglers.py,
+    lockstep-hang)."""
     as_rank(monkeypatch, tmp_path, rank=0)
     store = JobStore(f"file://{tmp_path}/store")
     elastic.report_progress(5, force=True)

@@ -18,8 +18,8 @@ from spotrain import elastic
 from spotrain.elastic import environment
 from spotrain.elastic.environment import rank_env
 from spotrain.elastic.job_store import JobStore
-from spotrain.workers.stack import free_port
-from tests.test_live_resize import plan
+from spotrain.workers.embedded.stack import free_port
+from tests.elastic.test_live_resize import plan
 
 pytest.importorskip("torch")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from spotrain.elastic import handover
-from spotrain.workers.stack import free_port
+from spotrain.workers.embedded.stack import free_port
 
 pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_ranks_at_the_newest_step_give_and_the_rest_take() -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration_support import Scenario
+from tests.elastic.integration_support import Scenario
 
 pytest.importorskip("transformers")
 MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_hf.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hf.py"
 TOTAL, GLOBAL = 60, 5  # 5 splits unevenly: 2 + 3 over two ranks, 1 + 2 + 2 over three
 SCALE = {  # learning rate per world size; a constant schedule so the logged rate shows it
     2: {"lr": 1e-2, "lr_scheduler_type": "constant", "save_steps": 10},

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration_support import Scenario
+from tests.elastic.integration_support import Scenario
 
 pytest.importorskip("lightning")
 MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lightning.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"
 TOTAL, GLOBAL = 60, 5
 SCALE = {2: {"lr": 0.02, "ckpt_every": 10}, 3: {"lr": 0.01, "ckpt_every": 10}}
 

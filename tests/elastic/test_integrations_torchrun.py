@@ -15,11 +15,11 @@ import yaml
 
 from spotrain.activities.command_launch import launch_command
 from spotrain.workflows.spec import parse_spec
-from tests.integration_support import Scenario
+from tests.elastic.integration_support import Scenario
 
 pytest.importorskip("torch")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_torchrun.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_torchrun.py"
 STEPS, BATCH, EVERY = 80, 5, 10
 
 

@@ -29,13 +29,12 @@ from spotrain.elastic import environment, live
 from spotrain.elastic.control import Channel
 from spotrain.elastic.environment import rank_env
 from spotrain.elastic.job_store import AFTER_RESIZE, JobStore
-from spotrain.workers.stack import free_port
+from spotrain.workers.embedded.stack import free_port
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest, GenerationPlan, Member
-from spotrain.workflows.state import JobResult, JobStatus
-from tests.jobs import process_spec, record_history
-from tests.test_control_channel import wait_status
-from tests.test_train_ddp import (
+from spotrain.workflows.job.state import JobResult, JobStatus
+from tests.elastic.test_control_channel import wait_status
+from tests.elastic.test_train_ddp import (
     EXAMPLE,
     GLOBAL_BATCH,
     TOTAL_STEPS,
@@ -44,7 +43,8 @@ from tests.test_train_ddp import (
     stop_generation,
     watch,
 )
-from tests.test_train_ddp import plan as restart_plan
+from tests.elastic.test_train_ddp import plan as restart_plan
+from tests.jobs import process_spec, record_history
 
 pytest.importorskip("torch")
 

@@ -29,7 +29,7 @@ from spotrain.workflows.spec import parse_spec
 
 pytest.importorskip("torch")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 TOTAL_STEPS = 300
 GLOBAL_BATCH = 50  # uneven over 3 ranks: 16, 17, 17
 

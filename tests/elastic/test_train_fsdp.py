@@ -17,13 +17,13 @@ from temporalio.testing import ActivityEnvironment
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import GenerationPlan, Member
-from tests.test_live_resize import consumed, pids, through_held
-from tests.test_train_ddp import plan as ddp_plan
-from tests.test_train_ddp import records, run_to_end, stop_generation, watch
+from tests.elastic.test_live_resize import consumed, pids, through_held
+from tests.elastic.test_train_ddp import plan as ddp_plan
+from tests.elastic.test_train_ddp import records, run_to_end, stop_generation, watch
 
 pytest.importorskip("torch")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_fsdp.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
 TOTAL_STEPS = 60
 GLOBAL_BATCH = 26  # uneven over 4 and 6 ranks
 PROCS = 2  # per node: the shard group
@@ -37,7 +37,7 @@ def plan(
     live: bool = False,
     total_steps: int = TOTAL_STEPS,
 ) -> GenerationPlan:
-    """The DDP example's plan (tests/test_train_ddp.py) for this one: nodes by index
+    """The DDP example's plan (tests/elastic/test_train_ddp.py) for this one: nodes by index
     (node-<i>, local) or by instance id (Kubernetes), each of PROCS processes."""
     p = ddp_plan(tmp_path, generation, len(nodes), job, total_steps, ckpt_every=1000)
     p.command[1], p.command[-1] = str(EXAMPLE), "0.05"

@@ -1,4 +1,4 @@
-"""Certificates for the test control plane (tests/k8s_cluster.py): a CA per run, the
+"""Certificates for the test control plane (tests/kube/k8s_cluster.py): a CA per run, the
 apiserver's serving certificate and client certificates, all ECDSA P-256 (quick to make)."""
 
 from __future__ import annotations

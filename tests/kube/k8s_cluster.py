@@ -11,10 +11,10 @@ Only the kubelet is missing (no container runtime here). Two stand-ins, each on 
   keeps them Ready and turns every pod bound to them Running and Ready, running nothing; a
   deleted pod goes at its deletionTimestamp, i.e. after its grace period, as if its container
   ignored SIGTERM.
-- nodes created with `fake=False` are left to the test, e.g. tests/kube_kubelet.py, which runs
+- nodes created with `fake=False` are left to the test, e.g. tests/kube/kube_kubelet.py, which runs
   a bound pod's command as a local process.
 
-Run `python -m tests.k8s_cluster` to start one and keep it until Ctrl-C (README).
+Run `python -m tests.kube.k8s_cluster` to start one and keep it until Ctrl-C (README).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from kubernetes import client, config, utils
 
-from spotrain.workers.stack import _die_with_parent as die_with_parent
-from spotrain.workers.stack import free_port
-from tests.k8s_certs import b64, dn, issue_cert, new_key, pem_key
+from spotrain.workers.embedded.stack import _die_with_parent as die_with_parent
+from spotrain.workers.embedded.stack import free_port
+from tests.kube.k8s_certs import b64, dn, issue_cert, new_key, pem_key
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "infra/k8s/controlplane/build.sh"
 NAMESPACE = "spotrain"
 FAKE = "kwok.x-k8s.io/node"  # annotation: kwok manages this node and its pods

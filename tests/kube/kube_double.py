@@ -1,9 +1,9 @@
 """An in-process HTTP double of the kube-apiserver paths spotrain's Kubernetes runtime calls.
 
-The Kubernetes tests run against a real control plane (tests/k8s_cluster.py). This double is
+The Kubernetes tests run against a real control plane (tests/kube/k8s_cluster.py). This double is
 kept only for what that control plane cannot do here: a kubelet's downwardAPI refresh
-(`projected_file`; tests/test_kube_runtime.py), and for tests that need a node lookup without
-building the control plane (tests/test_webhook.py). The runtime talks to it through the
+(`projected_file`; tests/kube/test_kube_runtime.py), and for tests that need a node lookup without
+building the control plane (tests/webhook/test_webhook.py). The runtime talks to it through the
 official `kubernetes` client over real HTTP on a loopback port.
 
 What it keeps like the real server: objects per (resource, namespace, name), a global

@@ -31,7 +31,7 @@ from kubernetes import client
 
 if TYPE_CHECKING:
     from spotrain.activities.simulated import SimulatedCloud
-    from tests.k8s_cluster import ControlPlane
+    from tests.kube.k8s_cluster import ControlPlane
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Fixtures and helpers for the Kubernetes runtime's tests on the real control plane
-(tests/test_kube_runtime.py, tests/test_kube_watch.py): three EKS-like spot nodes, the
+(tests/kube/test_kube_runtime.py, tests/kube/test_kube_watch.py): three EKS-like spot nodes, the
 runtime as the `spotrain-worker` ServiceAccount, its requests from the audit log."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from temporalio.testing import ActivityEnvironment
 from spotrain.activities.kube import KubeRuntime
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import GenerationPlan, Member, StopRequest, WatchRequest
-from tests.k8s_cluster import NAMESPACE as NS
-from tests.k8s_cluster import ControlPlane, Request
-from tests.kube_kubelet import finish_pod
+from tests.kube.k8s_cluster import NAMESPACE as NS
+from tests.kube.k8s_cluster import ControlPlane, Request
+from tests.kube.kube_kubelet import finish_pod
 
 JOB = "mnist"
 NODES = {"ip-10-0-0-1": "i-0aaa", "ip-10-0-0-2": "i-0bbb", "ip-10-0-0-3": "i-0ccc"}
 SPOT_TAINT = {"key": "karpenter.sh/capacity-type", "value": "spot", "effect": "NoSchedule"}
 WORKER = "system:serviceaccount:spotrain:spotrain-worker"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 R = TypeVar("R")
 
 

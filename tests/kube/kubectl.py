@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.k8s_cluster import ROOT, ControlPlane
+from tests.kube.k8s_cluster import ROOT, ControlPlane
 
 CRDS = ROOT / "infra/k8s/crds.yaml"
 

@@ -16,18 +16,18 @@ from typing import Any
 
 from temporalio.client import Client
 
-from spotrain.workers.k8s_crd import API_VERSION
-from spotrain.workers.stack import _die_with_parent as die_with_parent
+from spotrain.workers.embedded.stack import _die_with_parent as die_with_parent
+from spotrain.workers.k8s.crd import API_VERSION
 from tests.jobs import fast_spec
-from tests.k8s_cluster import ROOT, ControlPlane
-from tests.kubectl import Kubectl
+from tests.kube.k8s_cluster import ROOT, ControlPlane
+from tests.kube.kubectl import Kubectl
 
-CRASHED = 3  # workers/operator.py's crash_point exit status
-COMMAND = [sys.executable, "-m", "spotrain.workers.operator"]
+CRASHED = 3  # workers/k8s/operator.py's crash_point exit status
+COMMAND = [sys.executable, "-m", "spotrain.workers.k8s.operator"]
 
 
 class OperatorProcess:
-    """`python -m spotrain.workers.operator` as the spotrain-operator ServiceAccount."""
+    """`python -m spotrain.workers.k8s.operator` as the spotrain-operator ServiceAccount."""
 
     def __init__(self, kubeconfig: Path, temporal: Client, queue: str, logs: Path) -> None:
         self.env = dict(

@@ -13,22 +13,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spotrain.workers import k8s_crd
+from spotrain.workers.k8s import crd as k8s_crd
 from spotrain.workflows.spec import parse_spec
-from tests.k8s_cluster import ROOT, ControlPlane
-from tests.k8s_cluster import control_plane_fixture as control_plane_fixture
-from tests.kubectl import CRDS, Kubectl
-from tests.kubectl import kubectl_fixture as kubectl_fixture
+from tests.kube.k8s_cluster import ROOT, ControlPlane
+from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
+from tests.kube.kubectl import CRDS, Kubectl
+from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 
 EXAMPLE = ROOT / "examples/trainingjob.yaml"
 
 
 def test_committed_crds_are_generated_from_the_job_spec() -> None:
-    assert CRDS.read_text() == k8s_crd.render(), "run: python -m spotrain.workers.k8s_crd"
+    assert CRDS.read_text() == k8s_crd.render(), "run: python -m spotrain.workers.k8s.crd"
 
 
 def test_example_is_a_valid_job_spec() -> None:
-    from spotrain.workers.operator_status import job_input
+    from spotrain.workers.k8s.operator_status import job_input
 
     resource = yaml.safe_load(EXAMPLE.read_text())
     resource["metadata"]["uid"] = str(uuid.uuid4())

@@ -2,7 +2,7 @@
 objects refer to each other correctly (selectors, ServiceAccounts, role bindings, probes).
 
 namespace.yaml and rbac.yaml are also applied to a real kube-apiserver by every Kubernetes
-test (tests/k8s_cluster.py), whose RBAC then authorizes the runtime and the webhook. For the
+test (tests/kube/k8s_cluster.py), whose RBAC then authorizes the runtime and the webhook. For the
 rest, the client's generated models reject wrong types, and the lossless round trip below
 catches misspelled or misplaced fields.
 """
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "infra/k8s"
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
@@ -116,7 +116,7 @@ def test_service_accounts_and_bindings_fit_together() -> None:
 
 
 def test_webhook_probes_hit_served_routes() -> None:
-    routes = yaml.safe_load((ROOT / "workers/webhook_openapi.yaml").read_text())["paths"]
+    routes = yaml.safe_load((ROOT / "workers/webhook/openapi.yaml").read_text())["paths"]
     deployment = next(
         d for d in by_kind("Deployment") if d["metadata"]["name"] == "spotrain-webhook"
     )

@@ -18,17 +18,17 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.workers.k8s_crd import API_VERSION, FINALIZER
-from spotrain.workers.operator import HOLDING
-from spotrain.workers.operator_status import workflow_id
+from spotrain.workers.k8s.crd import API_VERSION, FINALIZER
+from spotrain.workers.k8s.operator import HOLDING
+from spotrain.workers.k8s.operator_status import workflow_id
 from spotrain.workers.worker import workflow_worker
 from tests.jobs import fast_runtime
-from tests.k8s_cluster import ControlPlane
-from tests.k8s_cluster import control_plane_fixture as control_plane_fixture
-from tests.kubectl import Kubectl
-from tests.kubectl import kubectl_fixture as kubectl_fixture
-from tests.operator_support import operator, training_job, wait_for
-from tests.test_workflow_scenarios import in_seconds
+from tests.kube.k8s_cluster import ControlPlane
+from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
+from tests.kube.kubectl import Kubectl
+from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
+from tests.kube.operator_support import operator, training_job, wait_for
+from tests.workflows.test_workflow_scenarios import in_seconds
 
 NS = "team-a"
 RUNNING = WorkflowExecutionStatus.RUNNING

@@ -10,10 +10,10 @@ import uuid
 
 import pytest
 
-from tests.k8s_cluster import ROOT, ControlPlane
-from tests.k8s_cluster import control_plane_fixture as control_plane_fixture
-from tests.kubectl import Kubectl
-from tests.kubectl import kubectl_fixture as kubectl_fixture
+from tests.kube.k8s_cluster import ROOT, ControlPlane
+from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
+from tests.kube.kubectl import Kubectl
+from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 
 EXAMPLE = (ROOT / "examples/trainingjob.yaml").read_text()
 

@@ -1,4 +1,4 @@
-"""The real control plane itself (tests/k8s_cluster.py), the deployment's manifests as the
+"""The real control plane itself (tests/kube/k8s_cluster.py), the deployment's manifests as the
 apiserver sees them, and the webhook's node lookup as its own ServiceAccount."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from kubernetes import client, utils
 from kubernetes.client.exceptions import ApiException
 
 from spotrain.activities.kube_api import instance_id
-from spotrain.workers.webhook import NodeNames
-from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
+from spotrain.workers.webhook.server import NodeNames
+from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
     NAMESPACE,
     ControlPlane,
     cluster_fixture,
     control_plane_fixture,
 )
 
-K8S = Path(__file__).resolve().parent.parent / "infra/k8s"
+K8S = Path(__file__).resolve().parents[2] / "infra/k8s"
 WEBHOOK = "system:serviceaccount:spotrain:spotrain-webhook"
 
 
@@ -55,7 +55,7 @@ def test_deployments_pass_server_side_validation(cluster: ControlPlane, manifest
 async def test_webhook_resolves_node_names_as_its_own_service_account(
     cluster: ControlPlane,
 ) -> None:
-    """The webhook's node lookup (workers/webhook.py) with the token of `spotrain-webhook`:
+    """The webhook's node lookup (workers/webhook/server.py) with the token of `spotrain-webhook`:
     the ClusterRole spotrain-node-lookup lets it read a node, and nothing else."""
     cluster.add_node("ip-10-0-9-9.ec2.internal", "i-0ddd1")
     core = client.CoreV1Api(cluster.admin)

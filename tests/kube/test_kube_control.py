@@ -1,6 +1,6 @@
 """The control channel on the Kubernetes runtime: KubeRuntime, as its ServiceAccount, on the
-real control plane (tests/k8s_cluster.py), with real rank processes run by the kubelet
-stand-in (tests/kube_kubelet.py) with `refresh_volumes` off: it runs each bound pod's command
+real control plane (tests/kube/k8s_cluster.py), with real rank processes run by the kubelet
+stand-in (tests/kube/kube_kubelet.py) with `refresh_volumes` off: it runs each bound pod's command
 with the pod's environment and never refreshes the downwardAPI file, as a kubelet between
 syncs, so the ranks can hear the control record in the store only."""
 
@@ -27,13 +27,13 @@ from spotrain.workflows.contract import (
     StopRequest,
     WatchRequest,
 )
-from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
+from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
     NAMESPACE,
     ControlPlane,
     cluster_fixture,
     control_plane_fixture,
 )
-from tests.kube_kubelet import LocalKubelet
+from tests.kube.kube_kubelet import LocalKubelet
 
 NODES = {"ip-10-0-0-1": "i-0aaa", "ip-10-0-0-2": "i-0bbb"}
 

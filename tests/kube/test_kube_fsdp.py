@@ -4,8 +4,8 @@ Kubernetes runtime, on the real control plane: one pod per node runs the node's 
 node lost without notice costs at most the step in flight. The weights end as an
 uninterrupted run's (on the local runtime).
 
-Stood in for: the kubelet (tests/kube_kubelet.py runs each bound pod's command as a local
-process), as in tests/test_kube_live.py.
+Stood in for: the kubelet (tests/kube/kube_kubelet.py runs each bound pod's command as a local
+process), as in tests/kube/test_kube_live.py.
 """
 
 from __future__ import annotations
@@ -22,14 +22,18 @@ from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import GenerationPlan
-from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
+from tests.elastic.test_live_resize import consumed, through_held
+from tests.elastic.test_train_ddp import records
+from tests.elastic.test_train_ddp import watch as watch_local
+from tests.elastic.test_train_fsdp import GLOBAL_BATCH, PROCS, assert_same_weights, plan
+from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
     NAMESPACE,
     ControlPlane,
     cluster_fixture,
     control_plane_fixture,
 )
-from tests.kube_kubelet import LocalKubelet
-from tests.test_kube_live import (  # noqa: F401 (the fixtures)
+from tests.kube.kube_kubelet import LocalKubelet
+from tests.kube.test_kube_live import (  # noqa: F401 (the fixtures)
     JOB,
     NODES,
     job_pods,
@@ -41,10 +45,6 @@ from tests.test_kube_live import (  # noqa: F401 (the fixtures)
     stop,
     watch,
 )
-from tests.test_live_resize import consumed, through_held
-from tests.test_train_ddp import records
-from tests.test_train_ddp import watch as watch_local
-from tests.test_train_fsdp import GLOBAL_BATCH, PROCS, assert_same_weights, plan
 
 pytest.importorskip("torch")
 

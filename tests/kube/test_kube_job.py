@@ -6,7 +6,7 @@ Real: the Temporal dev server and the TrainingJob workflow, kube-apiserver (the 
 its ServiceAccount), kube-scheduler binding each pod to its member's node, the training
 library in every rank. Stood in for: EC2 (the simulated cloud; each instance it runs joins the
 cluster as an EKS-labelled node and leaves when it goes, as its kubelet would register and
-vanish) and the kubelet (tests/kube_kubelet.py runs each bound pod's command as a local
+vanish) and the kubelet (tests/kube/kube_kubelet.py runs each bound pod's command as a local
 process with the pod's environment and volumes).
 """
 
@@ -25,21 +25,21 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.workers.stack import port_block
+from spotrain.workers.embedded.stack import port_block
 from spotrain.workers.worker import workflow_worker
-from spotrain.workflows.state import JobResult
+from spotrain.workflows.job.state import JobResult
+from tests.elastic.test_control_channel import wait_status
+from tests.elastic.test_live_resize import books_the_two_losses, live_job_spec
+from tests.elastic.test_local_runtime import WORKER
 from tests.jobs import Sim, fast_spec, record_history, running_at, sizes, until
-from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
+from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
     NAMESPACE,
     ControlPlane,
     cluster_fixture,
     control_plane_fixture,
 )
-from tests.kube_kubelet import LocalKubelet, node_name, nodes_follow_instances
-from tests.test_control_channel import wait_status
-from tests.test_live_resize import books_the_two_losses, live_job_spec
-from tests.test_local_runtime import WORKER
-from tests.test_workflow_scenarios import in_seconds, members
+from tests.kube.kube_kubelet import LocalKubelet, node_name, nodes_follow_instances
+from tests.workflows.test_workflow_scenarios import in_seconds, members
 
 
 async def test_training_job_reclaimed_and_grown_on_kubernetes(

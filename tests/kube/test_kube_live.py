@@ -1,10 +1,10 @@
-"""Live resize on the Kubernetes runtime, on the real control plane (tests/k8s_cluster.py),
+"""Live resize on the Kubernetes runtime, on the real control plane (tests/kube/k8s_cluster.py),
 with the real example (examples/train_ddp.py: PyTorch DDP, gloo, CPU) in every pod: the pods
 of surviving ranks stay through shrink and growth (same pod, same process), a leaving pod is
 deleted once told to leave, a joining pod gets a head start and takes the state from the
 survivors, and the ranks meet at rank 0's pod IP from the gang start.
 
-Stood in for: the kubelet (tests/kube_kubelet.py runs each bound pod's command as a local
+Stood in for: the kubelet (tests/kube/kube_kubelet.py runs each bound pod's command as a local
 process, every pod in this machine's network) and nothing else: kube-apiserver and
 kube-scheduler are real, and the runtime acts as its ServiceAccount.
 """
@@ -25,7 +25,7 @@ from temporalio.testing import ActivityEnvironment
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.elastic.job_store import JobStore
-from spotrain.workers.stack import port_block
+from spotrain.workers.embedded.stack import port_block
 from spotrain.workflows.contract import (
     CleanupRequest,
     GenerationPlan,
@@ -35,15 +35,15 @@ from spotrain.workflows.contract import (
     WatchRequest,
     WatchResult,
 )
-from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
+from tests.elastic.test_live_resize import consumed, notice_checkpoints, through_held
+from tests.elastic.test_train_ddp import EXAMPLE, GLOBAL_BATCH, records
+from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
     NAMESPACE,
     ControlPlane,
     cluster_fixture,
     control_plane_fixture,
 )
-from tests.kube_kubelet import LocalKubelet
-from tests.test_live_resize import consumed, notice_checkpoints, through_held
-from tests.test_train_ddp import EXAMPLE, GLOBAL_BATCH, records
+from tests.kube.kube_kubelet import LocalKubelet
 
 pytest.importorskip("torch")
 

@@ -1,14 +1,14 @@
-"""The Kubernetes rank runtime against a real control plane (tests/k8s_cluster.py): etcd,
+"""The Kubernetes rank runtime against a real control plane (tests/kube/k8s_cluster.py): etcd,
 kube-apiserver with RBAC, kube-scheduler and kwok, built from their Go modules.
 
 The runtime authenticates as the `spotrain-worker` ServiceAccount that infra/k8s/rbac.yaml
 binds, with a token from the TokenRequest API: a verb missing from its Role fails these tests.
 What each test checks of the runtime's requests comes from the apiserver's audit log. Pods on
 kwok's nodes turn Running and Ready without running anything; the test plays the kubelet's
-part where a pod's containers must exit or fail (tests/kube_kubelet.py, labelled there).
+part where a pod's containers must exit or fail (tests/kube/kube_kubelet.py, labelled there).
 Activities run in temporalio's ActivityEnvironment (real heartbeats); the checkpoint store is
 real files under tmp_path. The last test alone runs on the in-process double
-(tests/kube_double.py), for the kubelet's downwardAPI refresh, which cannot run here.
+(tests/kube/kube_double.py), for the kubelet's downwardAPI refresh, which cannot run here.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from spotrain.workflows.contract import (
     WatchRequest,
     WatchResult,
 )
-from tests.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
-from tests.kube_double import KubeDouble
-from tests.kube_kubelet import finish_pod, hold_pod, start_pod
-from tests.kube_support import (  # noqa: F401 (fixtures)
+from tests.kube.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
+from tests.kube.kube_double import KubeDouble
+from tests.kube.kube_kubelet import finish_pod, hold_pod, start_pod
+from tests.kube.kube_support import (  # noqa: F401 (fixtures)
     JOB,
     NS,
     SPOT_TAINT,
@@ -389,7 +389,7 @@ async def test_activities_run_in_a_temporal_worker(
 def test_the_control_annotation_reaches_the_library_through_the_downward_api(
     tmp_path: Path, ckpt: str
 ) -> None:
-    """On tests/kube_double.py, for the one step the real control plane here cannot take:
+    """On tests/kube/kube_double.py, for the one step the real control plane here cannot take:
     the kubelet's downwardAPI refresh, which turns the pod's `spotrain.io/control` annotation
     into the file the training library polls. The double renders the pod's volume item as the
     kubelet would; the real library, in its own process with the pod's environment, reads it."""

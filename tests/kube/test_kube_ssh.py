@@ -1,5 +1,5 @@
 """SSH keys for the launcher-to-worker login of MPI and Horovod jobs on Kubernetes, on the
-real control plane (tests/k8s_cluster.py) as the `spotrain-worker` ServiceAccount: one key
+real control plane (tests/kube/k8s_cluster.py) as the `spotrain-worker` ServiceAccount: one key
 pair per job in a Secret with the job's ownership labels, mounted into its pods, kept across
 generations and retries, deleted with the job, and never read back, returned or logged.
 
@@ -23,8 +23,8 @@ from kubernetes import client
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.workflows.contract import CleanupRequest
-from tests.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
-from tests.kube_support import (  # noqa: F401 (fixtures)
+from tests.kube.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
+from tests.kube.kube_support import (  # noqa: F401 (fixtures)
     JOB,
     NS,
     audit_fixture,

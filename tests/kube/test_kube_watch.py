@@ -1,6 +1,6 @@
 """The Kubernetes runtime's watch, Horovod hostfile, cleanup, namespaces and RBAC, on the real
-control plane (tests/k8s_cluster.py), as the `spotrain-worker` ServiceAccount; fixtures and
-helpers in tests/kube_support.py, kubelet stand-ins in tests/kube_kubelet.py."""
+control plane (tests/kube/k8s_cluster.py), as the `spotrain-worker` ServiceAccount; fixtures and
+helpers in tests/kube/kube_support.py, kubelet stand-ins in tests/kube/kube_kubelet.py."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
 )
-from tests.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
-from tests.kube_kubelet import finish_pod
-from tests.kube_support import (  # noqa: F401 (fixtures)
+from tests.kube.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
+from tests.kube.kube_kubelet import finish_pod
+from tests.kube.kube_support import (  # noqa: F401 (fixtures)
     JOB,
     NS,
     ROOT,

@@ -1,6 +1,6 @@
-"""Determinism guard: every recorded history under tests/histories replays against the current
-TrainingJob and CapacityPool code. A change that breaks replay must be versioned with
-`workflow.patched` or the histories re-recorded on purpose (tests/record_histories.py).
+"""Determinism guard: every recorded history under tests/replay/histories replays against the
+current TrainingJob and CapacityPool code. A change that breaks replay must be versioned with
+`workflow.patched` or the histories re-recorded on purpose (tests/replay/record_histories.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def test_histories_were_recorded() -> None:
         "straggler_replace",
         "straggler_lockstep_hang",
     }
-    assert required <= scenarios, f"missing {required - scenarios}: tests/record_histories.py"
+    assert required <= scenarios, (
+        f"missing {required - scenarios}: tests/replay/record_histories.py"
+    )
     assert any(p.stem.endswith("-run2") for p in HISTORIES)  # continue-as-new was replayed
 
 

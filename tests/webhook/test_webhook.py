@@ -3,7 +3,7 @@
 A small recording workflow stands in for TrainingJob here: it upserts `SpotrainNodeIds` like
 the real one and records every signal exactly as it arrives, so that each event's effect can be
 counted (TrainingJob dedupes, which would hide a duplicate). The real workflow is driven
-through the webhook by `spotrain reclaim` (tests/test_cli.py) and the demo.
+through the webhook by `spotrain reclaim` (tests/cli/test_cli.py) and the demo.
 Only SNS's certificate host cannot be reached from here: `http_get` is a stand-in that serves a
 test certificate, and the tests check it is never asked for a URL off the SNS host pattern.
 """
@@ -48,26 +48,25 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from spotrain.workers import webhook
-from spotrain.workers.binaries import temporal_cli
-from spotrain.workers.webhook import (
+from spotrain.workers.embedded.binaries import temporal_cli
+from spotrain.workers.webhook.auth import AuthConfig, hmac_headers, sns_string_to_sign
+from spotrain.workers.webhook.events import PlainReclaim
+from spotrain.workers.webhook.server import (
     NodeNames,
     SqsPoller,
     WebhookConfig,
     WebhookService,
 )
-from spotrain.workers.webhook_auth import AuthConfig, hmac_headers, sns_string_to_sign
-from spotrain.workers.webhook_events import PlainReclaim
-from spotrain.workflows import attributes
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
-
-from .kube_double import KubeDouble
+from spotrain.workflows.job import attributes
+from tests.kube.kube_double import KubeDouble
 
 TOKEN = "test-token-not-a-secret"
 HMAC_SECRET = "test-hmac-secret"
 TOPIC = "arn:aws:sns:us-east-1:123456789012:spotrain-reclaims"
 CERT_URL = "https://sns.us-east-1.amazonaws.com/SimpleNotificationService-0123abcd.pem"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
-OPENAPI = Path(webhook.__file__).with_name("webhook_openapi.yaml")
+OPENAPI = Path(webhook.__file__).with_name("openapi.yaml")
 
 
 @workflow.defn(name="RecordingJob")
@@ -368,7 +367,7 @@ async def test_kubernetes_node_names_resolve_to_instances(
     dev_env: WorkflowEnvironment, jobs: Jobs
 ) -> None:
     """EKS names nodes by private DNS name: with SPOTRAIN_WEBHOOK_KUBE_NODES the webhook asks
-    the Kubernetes API (here the in-process double of tests/kube_double.py: no kube-apiserver
+    the Kubernetes API (here the in-process double of tests/kube/kube_double.py: no kube-apiserver
     runs on these machines) for the node's providerID and signals the instance's job."""
     kube = KubeDouble()
     with kube.serve():
@@ -505,7 +504,7 @@ async def test_health_readiness_and_metrics(hook: Webhook) -> None:
 # --- queue mode ------------------------------------------------------------------------------
 
 
-EVENTBRIDGE = Path(__file__).parents[1] / "infra" / "aws" / "eventbridge"
+EVENTBRIDGE = Path(__file__).parents[2] / "infra" / "aws" / "eventbridge"
 PROVIDER_MIRROR = Path(os.environ.get("SPOTRAIN_TF_PLUGIN_DIR", "/opt/tf-plugins"))
 
 
@@ -721,7 +720,7 @@ def test_terraform_is_formatted_and_valid(tmp_path: Path) -> None:
 async def webhook_process(
     dev_env: WorkflowEnvironment, settings: dict[str, str]
 ) -> AsyncIterator[tuple[str, list[str]]]:
-    """`python -m spotrain.workers.webhook` as a real process on a free port, ready (Temporal
+    """`python -m spotrain.workers.webhook.server` as a real process on a free port, ready (Temporal
     answers); yields its URL and, once it has stopped, its output (in the list)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -733,7 +732,7 @@ async def webhook_process(
         **settings,
     }
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "spotrain.workers.webhook", env=env,
+        sys.executable, "-m", "spotrain.workers.webhook.server", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -781,7 +780,7 @@ async def test_service_process_refuses_a_queue_it_was_not_told_it_owns(
         "SPOTRAIN_WEBHOOK_PORT": "0",
     }
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "spotrain.workers.webhook", env=env,
+        sys.executable, "-m", "spotrain.workers.webhook.server", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     output = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()

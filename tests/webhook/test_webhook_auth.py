@@ -1,5 +1,5 @@
 """The webhook's checks as pure functions, in milliseconds and without a server: who may send
-(webhook_auth.check_headers) and how a notice's times are read (webhook_events). The same
+(webhook.auth.check_headers) and how a notice's times are read (webhook.events). The same
 behaviours are tested end to end over HTTP in test_webhook.py and test_webhook_hardening.py;
 these are the fast tests that tests/test_breaks.py runs against each deliberate break."""
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from spotrain.workers.webhook_auth import (
+from spotrain.workers.webhook.auth import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     AuthConfig,
@@ -22,7 +22,7 @@ from spotrain.workers.webhook_auth import (
     hmac_headers,
     legacy_string_to_sign,
 )
-from spotrain.workers.webhook_events import (
+from spotrain.workers.webhook.events import (
     SchemaError,
     parse_aws,
     parse_kubernetes,

@@ -1,5 +1,5 @@
 # ruff: noqa: F811 (pytest fixtures imported from test_webhook are parameters here)
-"""Payloads published by others (tests/data/webhook, sources in its SOURCES.md) through the
+"""Payloads published by others (tests/webhook/corpus, sources in its SOURCES.md) through the
 real webhook on loopback, against the real Temporal dev server: the signal each produces, its
 deadline and event id, and the HTTP answer. Also the trust and robustness rules that real
 inputs exposed (SNS certificate pinning and freshness, HMAC headers, far-calendar times,
@@ -24,17 +24,16 @@ import aiohttp
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.webhook import ConfigError, SqsPoller, WebhookConfig, WebhookService
-from spotrain.workers.webhook_auth import (
+from spotrain.workers.webhook.auth import (
     TIMESTAMP_HEADER,
     AuthConfig,
     SnsRejected,
     SnsVerifier,
     hmac_headers,
 )
+from spotrain.workers.webhook.server import ConfigError, SqsPoller, WebhookConfig, WebhookService
 from spotrain.workflows.contract import ReclaimNotice
-
-from .test_webhook import (  # noqa: F401 (hook, jobs, queue: the shared fixtures)
+from tests.webhook.test_webhook import (  # noqa: F401 (hook, jobs, queue: the shared fixtures)
     HMAC_SECRET,
     Jobs,
     Webhook,
@@ -47,7 +46,7 @@ from .test_webhook import (  # noqa: F401 (hook, jobs, queue: the shared fixture
     running_webhook,
 )
 
-DATA = Path(__file__).with_name("data") / "webhook"
+DATA = Path(__file__).with_name("corpus")
 SNS_DIR = DATA / "sns"
 SNS_TOPIC_2022 = [json.loads(p.read_text())["TopicArn"] for p in sorted(SNS_DIR.glob("*.json"))]
 LEAF_URL = "https://sns.us-east-2.amazonaws.com/SimpleNotificationService-7ff5318490ec183fbaddaa2a969abfda.pem"

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.webhook import SqsPoller
-from spotrain.workers.webhook_auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, hmac_headers
-from tests.test_webhook import (
+from spotrain.workers.webhook.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, hmac_headers
+from spotrain.workers.webhook.server import SqsPoller
+from tests.webhook.test_webhook import (
     BEARER,
     CERT_URL,
     HMAC_SECRET,
@@ -245,7 +245,7 @@ SCHEMATHESIS = shutil.which("st", path=str(Path(sys.executable).parent))
 async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
     dev_env: WorkflowEnvironment, tmp_path: Path
 ) -> None:
-    """Requests generated from webhook_openapi.yaml (valid and invalid ones) against a real
+    """Requests generated from workers/webhook/openapi.yaml (valid and invalid ones) against a real
     webhook process: no 5xx, and every answer's status and body as the description says."""
     settings_env = {"SPOTRAIN_WEBHOOK_TOKEN": TOKEN}
     async with webhook_process(dev_env, settings_env) as (url, _):

@@ -19,14 +19,14 @@ import pytest
 import pytest_asyncio
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.webhook import ConfigError, WebhookConfig
-from spotrain.workers.webhook_auth import (
+from spotrain.workers.webhook.auth import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     hmac_headers,
     legacy_string_to_sign,
 )
-from tests.test_webhook import (
+from spotrain.workers.webhook.server import ConfigError, WebhookConfig
+from tests.webhook.test_webhook import (
     HMAC_SECRET,
     TOKEN,
     Jobs,

@@ -22,10 +22,10 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from spotrain.workers.binaries import temporal_cli
-from spotrain.workflows import attributes
+from spotrain.workers.embedded.binaries import temporal_cli
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
-from tests.test_webhook import Webhook, eventually, running_webhook
+from spotrain.workflows.job import attributes
+from tests.webhook.test_webhook import Webhook, eventually, running_webhook
 
 VISIBILITY = "spotrain_webhook_visibility_calls_total"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotrain.workflows.allocation import (
+from spotrain.workflows.capacity.allocation import (
     NOTHING,
     Claim,
     Grant,

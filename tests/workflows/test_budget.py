@@ -14,14 +14,13 @@ from hypothesis import strategies as st
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.cli import parser
-from spotrain.workers.report import Report, tables
-from spotrain.workflows import budget
-from spotrain.workflows.budget import BudgetState
+from spotrain.workers.cli.main import parser
+from spotrain.workers.cli.report import Report, tables
+from spotrain.workflows.job.state import JobState
+from spotrain.workflows.policies import budget
+from spotrain.workflows.policies.budget import BudgetState
 from spotrain.workflows.spec import SpecError, parse_spec
-from spotrain.workflows.state import JobState
-
-from .jobs import fast_runtime, fast_spec, job_spec, record_history, simulated, until
+from tests.jobs import fast_runtime, fast_spec, job_spec, record_history, simulated, until
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 caps = st.floats(0.01, 1e6)

@@ -27,11 +27,10 @@ from spotrain.workflows.contract import (
     WatchRequest,
     WatchResult,
 )
-from spotrain.workflows.start_failure import cannot_start
-from spotrain.workflows.state import JobResult
-
-from .jobs import record_history
-from .test_planner_job import node, running, state
+from spotrain.workflows.job.start_failure import cannot_start
+from spotrain.workflows.job.state import JobResult
+from tests.jobs import record_history
+from tests.workflows.test_planner_job import node, running, state
 
 MISSING = "ModuleNotFoundError: No module named 'no_such_module_spotrain'"
 

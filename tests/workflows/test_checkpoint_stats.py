@@ -12,7 +12,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimulatedRuntime
 from spotrain.workflows import contract
-from spotrain.workflows.checkpoints import (
+from spotrain.workflows.contract import WatchRequest, WatchResult
+from spotrain.workflows.job.checkpoints import (
     EC2_NOTICE_S,
     describe,
     percentile,
@@ -20,11 +21,9 @@ from spotrain.workflows.checkpoints import (
     summarize,
     young_daly_interval_s,
 )
-from spotrain.workflows.contract import WatchRequest, WatchResult
+from spotrain.workflows.job.state import JobState
 from spotrain.workflows.spec import parse_spec
-from spotrain.workflows.state import JobState
-
-from .jobs import job_spec, simulated
+from tests.jobs import job_spec, simulated
 
 
 def record(step: int, duration: float, blocked: float, kind: str = "periodic") -> dict:
@@ -101,7 +100,7 @@ def test_job_state_reports_checkpoints_in_status_and_result() -> None:
 
 class TimedCheckpoints(SimulatedRuntime):
     """The simulated runtime, reporting checkpoint records as the training library leaves them
-    in the store (a stand-in for the store: tests/test_checkpoint.py writes them for real):
+    in the store (a stand-in for the store: tests/elastic/test_checkpoint.py writes them for real):
     90 s to durable, and step 5 skipped as unloadable."""
 
     @activity.defn(name=contract.WATCH_GENERATION)

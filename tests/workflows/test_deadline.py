@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.workers.report import Report
-from spotrain.workflows import deadline, job_planner
+from spotrain.workers.cli.report import Report
 from spotrain.workflows.contract import Offer
+from spotrain.workflows.job import job_planner
+from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
+from spotrain.workflows.policies import deadline
 from spotrain.workflows.spec import DeadlinePolicy, SpecError, parse_spec
-from spotrain.workflows.state import JobState, NodeRecord, NodeState
-
-from .jobs import job_spec, record_history, simulated
+from tests.jobs import job_spec, record_history, simulated
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 policies = st.builds(

@@ -27,10 +27,11 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.cli_jobs import load_spec
-from spotrain.workers.cli_support import USAGE, CliError
-from spotrain.workflows import job_planner, planner
+from spotrain.workers.cli.jobs import load_spec
+from spotrain.workers.cli.support import USAGE, CliError
 from spotrain.workflows.contract import Offer
+from spotrain.workflows.job import job_planner, planner
+from spotrain.workflows.job.state import JobState
 from spotrain.workflows.spec import (
     MAX_DURATION_S,
     MAX_GPUS_PER_NODE,
@@ -42,11 +43,9 @@ from spotrain.workflows.spec import (
     SpecError,
     parse_spec,
 )
-from spotrain.workflows.state import JobState
+from tests.jobs import fast_runtime, fast_spec, job_spec, simulated
 
-from .jobs import fast_runtime, fast_spec, job_spec, simulated
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "job.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "job.yaml"
 INF, NAN = float("inf"), float("nan")
 FIELD_LINE = re.compile(r"^  [^\s:][^:]*: \S")  # `  elastic.max_nodes: ...`
 NUMERIC = [
@@ -224,7 +223,9 @@ def test_the_bounds_themselves_are_valid_and_the_examples_stay_valid() -> None:
     plain_and_bounded(parse_spec(widest).model_dump(mode="json"))
     for path in sorted(EXAMPLE.parent.glob("*.yaml")):
         if "\napiVersion:" not in "\n" + path.read_text():
-            load_spec(path)  # (not the Kubernetes resources: tests/test_k8s_crd.py applies those)
+            load_spec(
+                path
+            )  # (not the Kubernetes resources: tests/kube/test_k8s_crd.py applies those)
 
 
 def test_ordering_every_node_of_the_largest_job_stays_cheap() -> None:
@@ -429,7 +430,7 @@ def spotrain(
     with open(os.devnull, "wb") as null, tempfile.TemporaryFile() as err:
         started = time.monotonic()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "spotrain.workers.cli", *argv],
+            [sys.executable, "-m", "spotrain.workers.cli.main", *argv],
             stdout=null,
             stderr=err,
             env=env,

@@ -16,10 +16,9 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workflows import contract
 from spotrain.workflows.contract import Offer
+from spotrain.workflows.job.state import JobResult, JobStatus
 from spotrain.workflows.spec import SpotPolicy
-from spotrain.workflows.state import JobResult, JobStatus
-
-from .jobs import (
+from tests.jobs import (
     Sim,
     fast_runtime,
     fast_spec,
@@ -29,7 +28,7 @@ from .jobs import (
     simulated,
     until,
 )
-from .jobs import sizes as world_sizes
+from tests.jobs import sizes as world_sizes
 
 Handle = WorkflowHandle[Any, Any]
 MBB = {"early_warning": "make_before_break", "reclaim_notice": "make_before_break"}

@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotrain.workflows import events, job_planner, make_before_break
-from spotrain.workflows.checkpoints import CheckpointStats
 from spotrain.workflows.contract import Offer, PoolGrant
+from spotrain.workflows.job import events, job_planner
+from spotrain.workflows.job.checkpoints import CheckpointStats
+from spotrain.workflows.job.state import JobState, NodeState, Swap
+from spotrain.workflows.policies import make_before_break
 from spotrain.workflows.spec import SpecError, parse_spec
-from spotrain.workflows.state import JobState, NodeState, Swap
-
-from .jobs import job_spec
-from .test_planner_job import T0, node, running
+from tests.jobs import job_spec
+from tests.workflows.test_planner_job import T0, node, running
 
 MBB = {"early_warning": "make_before_break", "reclaim_notice": "make_before_break"}
 

@@ -7,8 +7,8 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spotrain.workflows import planner
-from spotrain.workflows.planner import Candidate
+from spotrain.workflows.job import planner
+from spotrain.workflows.job.planner import Candidate
 
 
 @given(world=st.integers(1, 512), extra=st.integers(0, 10_000))

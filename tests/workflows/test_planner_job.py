@@ -10,12 +10,11 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotrain.workflows import events, job_planner
 from spotrain.workflows.contract import Lifecycle, Offer, PoolGrant, ScaleIn, WatchResult
+from spotrain.workflows.job import events, job_planner
+from spotrain.workflows.job.state import JobState, NodeRecord, NodeState, Phase
 from spotrain.workflows.spec import parse_spec
-from spotrain.workflows.state import JobState, NodeRecord, NodeState, Phase
-
-from .jobs import job_spec
+from tests.jobs import job_spec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 GPU_TYPES = [

@@ -14,10 +14,9 @@ from typing import Any
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workflows.pool import PoolStatus
-from spotrain.workflows.state import TimelineEntry
-
-from .jobs import (
+from spotrain.workflows.capacity.pool import PoolStatus
+from spotrain.workflows.job.state import TimelineEntry
+from tests.jobs import (
     fast_runtime,
     fast_spec,
     polled,

@@ -9,10 +9,9 @@ import pytest
 import yaml
 
 from spotrain.workflows.spec import SpecError, parse_spec
+from tests.jobs import job_spec
 
-from .jobs import job_spec
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "job.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "job.yaml"
 
 
 def refusal(spec: Any) -> str:

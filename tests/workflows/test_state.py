@@ -7,10 +7,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spotrain.workflows.contract import Lifecycle
+from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
 from spotrain.workflows.spec import parse_spec
-from spotrain.workflows.state import JobState, NodeRecord, NodeState
-
-from .jobs import job_spec
+from tests.jobs import job_spec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -1,6 +1,7 @@
-"""Stragglers: the rank library's step clock, the pure decisions (workflows/stragglers.py), and
-a job on real rank processes (local runtime, Temporal dev server, simulated cloud) where one
-node turns slow or hangs: flagged in `status`, its node replaced, the job completes."""
+"""Stragglers: the rank library's step clock, the pure decisions
+(workflows/policies/stragglers.py), and a job on real rank processes (local runtime, Temporal
+dev server, simulated cloud) where one node turns slow or hangs: flagged in `status`, its node
+replaced, the job completes."""
 
 from __future__ import annotations
 
@@ -29,14 +30,13 @@ from spotrain.elastic.step_times import (
     WARMUP_STEPS,
     StepClock,
 )
-from spotrain.workers.cli_views import status_view
+from spotrain.workers.cli.views import status_view
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
+from spotrain.workflows.job.state import JobResult, JobStatus
+from spotrain.workflows.policies.stragglers import RankSteps, assess, hung_ranks, slow_ranks
 from spotrain.workflows.spec import SpecError, StragglerPolicy, parse_spec
-from spotrain.workflows.state import JobResult, JobStatus
-from spotrain.workflows.stragglers import RankSteps, assess, hung_ranks, slow_ranks
-
-from .jobs import FAST_ELASTIC, job_spec, polled, record_history
+from tests.jobs import FAST_ELASTIC, job_spec, polled, record_history
 
 T0 = datetime(2026, 11, 24, tzinfo=UTC)
 POLICY = StragglerPolicy(slowdown=2.0, patience_s=300)

@@ -1,11 +1,10 @@
-"""The pure decisions of a timed scale-out (workflows/timed_scale_out.py), no server."""
+"""The pure decisions of a timed scale-out (workflows/policies/timed_scale_out.py), no server."""
 
 from __future__ import annotations
 
-from spotrain.workflows import timed_scale_out
-from spotrain.workflows.state import NodeState
-
-from .test_planner_job import T0, node, running, state
+from spotrain.workflows.job.state import NodeState
+from spotrain.workflows.policies import timed_scale_out
+from tests.workflows.test_planner_job import T0, node, running, state
 
 
 def test_undo_restores_the_target_and_releases_idle_extras_launching_first() -> None:

@@ -1,7 +1,8 @@
-"""make-before-break's rule for rebalance recommendations (`workflows/warning_rule.py`): act
-only when the expected gain beats the surge cost. Exact figures for plain cases, hypothesis
-properties for every input, its inputs read from the spec and state, and one run on the
-time-skipping server: a warning the rule declines orders nothing, one it accepts swaps."""
+"""make-before-break's rule for rebalance recommendations
+(`workflows/policies/warning_rule.py`): act only when the expected gain beats the surge cost.
+Exact figures for plain cases, hypothesis properties for every input, its inputs read from the
+spec and state, and one run on the time-skipping server: a warning the rule declines orders
+nothing, one it accepts swaps."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workflows.checkpoints import CheckpointStats
+from spotrain.workflows.job.checkpoints import CheckpointStats
+from spotrain.workflows.job.state import JobState
+from spotrain.workflows.policies.warning_rule import Case, case_for, weigh, worth_acting
 from spotrain.workflows.spec import SpecError, parse_spec
-from spotrain.workflows.state import JobState
-from spotrain.workflows.warning_rule import Case, case_for, weigh, worth_acting
-
-from .jobs import job_spec, simulated
-from .test_make_before_break import MBB, SURGE, events, ranked, warn
-from .test_planner_job import node, running
+from tests.jobs import job_spec, simulated
+from tests.workflows.test_make_before_break import MBB, SURGE, events, ranked, warn
+from tests.workflows.test_planner_job import node, running
 
 HOUR = 3600
 

@@ -12,12 +12,12 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
-from spotrain.workflows import contract, events
+from spotrain.workflows import contract
 from spotrain.workflows.contract import CleanupRequest, LaunchRequest, NodeInfo
+from spotrain.workflows.job import events
+from spotrain.workflows.job.state import JobState
 from spotrain.workflows.spec import parse_spec
-from spotrain.workflows.state import JobState
-
-from .jobs import job_spec, simulated, until
+from tests.jobs import job_spec, simulated, until
 
 
 async def test_job_runs_to_completion_and_releases_everything(ts_env: WorkflowEnvironment) -> None:

@@ -30,10 +30,9 @@ from spotrain.workflows.contract import (
     StopRequest,
     StopResult,
 )
+from spotrain.workflows.job.state import JobStatus
 from spotrain.workflows.spec import SpotPolicy
-from spotrain.workflows.state import JobStatus
-
-from .jobs import fast_runtime, fast_spec, record_history, running_at, simulated, sizes, until
+from tests.jobs import fast_runtime, fast_spec, record_history, running_at, simulated, sizes, until
 
 Handle = WorkflowHandle[Any, Any]
 ONE_ZONE = {"zones": ["us-east-1a"]}

@@ -14,7 +14,7 @@ from rich.table import Table
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from spotrain.workers.cli_support import (
+from spotrain.workers.cli.support import (
     OK,
     RPC_TIMEOUT,
     USAGE,

@@ -23,8 +23,9 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 from spotrain.elastic.job_store import JobStore
-from spotrain.workers.cli_spec_file import SpecFileError, load_data
-from spotrain.workers.cli_support import (
+from spotrain.workers.cli.report import print_report
+from spotrain.workers.cli.spec_file import SpecFileError, load_data
+from spotrain.workers.cli.support import (
     FAILED,
     OK,
     RPC_TIMEOUT,
@@ -39,12 +40,11 @@ from spotrain.workers.cli_support import (
     query_status,
     runs,
 )
-from spotrain.workers.report import print_report
-from spotrain.workflows import attributes
+from spotrain.workflows.capacity.pool import pool_workflow_id
 from spotrain.workflows.contract import Empty, ScaleIn, ScaleOut, SetBudget
-from spotrain.workflows.pool import pool_workflow_id
+from spotrain.workflows.job import attributes
+from spotrain.workflows.job.state import JobResult, Phase
 from spotrain.workflows.spec import SpecError, parse_spec
-from spotrain.workflows.state import JobResult, Phase
 
 
 def load_spec(path: Path) -> dict[str, Any]:
@@ -198,7 +198,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 def webhook_request(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """POST the plain reclaim form, authenticated the way the webhook is configured."""
-    from spotrain.workers.webhook_auth import hmac_headers
+    from spotrain.workers.webhook.auth import hmac_headers
 
     data = json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}

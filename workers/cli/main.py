@@ -8,8 +8,8 @@ traceback. The process leaves through `os._exit` after flushing: the Temporal cl
 abort the interpreter's shutdown (see DESIGN.md, "Process exit").
 
 This module is the parser and the dispatch; the commands live by what they do:
-cli_jobs.py (start and steer), cli_views.py (list, status, report), cli_pools.py (capacity
-pools), cli_housekeeping.py (gc, logs), and what they share in cli_support.py.
+jobs.py (start and steer), views.py (list, status, report), pools.py (capacity pools),
+housekeeping.py (gc, logs), and what they share in support.py, all in this package.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from temporalio.service import RPCError
 
-from spotrain.workers.cli_housekeeping import cmd_gc, cmd_logs, cmd_release
-from spotrain.workers.cli_jobs import (
+from spotrain.workers.cli.housekeeping import cmd_gc, cmd_logs, cmd_release
+from spotrain.workers.cli.jobs import (
     cmd_budget,
     cmd_cancel,
     cmd_pause,
@@ -34,27 +34,33 @@ from spotrain.workers.cli_jobs import (
     cmd_scale,
     cmd_submit,
 )
-from spotrain.workers.cli_pools import (
+from spotrain.workers.cli.pools import (
     POOL_LIMITS,
     cmd_pool_create,
     cmd_pool_list,
     cmd_pool_set,
     cmd_pool_status,
 )
-from spotrain.workers.cli_support import OK, USAGE, CliError, err, rpc_error
-from spotrain.workers.cli_views import cmd_list, cmd_report, cmd_status
+from spotrain.workers.cli.support import OK, USAGE, CliError, err, rpc_error
+from spotrain.workers.cli.views import cmd_list, cmd_report, cmd_status
 from spotrain.workers.connect import TASK_QUEUE
-from spotrain.workflows import budget
+from spotrain.workflows.job.state import Phase
+from spotrain.workflows.policies import budget
 from spotrain.workflows.spec import MAX_DURATION_S
-from spotrain.workflows.state import Phase
 
 PHASES = [p.value for p in Phase]
 Command = Callable[[argparse.Namespace], Awaitable[int]]
 DELEGATED = {
-    "dev": ("spotrain.workers.stack", "run the local stack: Temporal, moto, worker, webhook"),
-    "demo": ("spotrain.workers.demo", "a real elastic training run with reclaims, end to end"),
+    "dev": (
+        "spotrain.workers.embedded.stack",
+        "run the local stack: Temporal, moto, worker, webhook",
+    ),
+    "demo": (
+        "spotrain.workers.embedded.demo",
+        "a real elastic training run with reclaims, end to end",
+    ),
     "worker": ("spotrain.workers.worker", "run the Temporal worker"),
-    "webhook": ("spotrain.workers.webhook", "run the reclaim webhook service"),
+    "webhook": ("spotrain.workers.webhook.server", "run the reclaim webhook service"),
 }
 CONNECTION = (
     "Temporal connection: TEMPORAL_ADDRESS (default localhost:7233), TEMPORAL_NAMESPACE, "

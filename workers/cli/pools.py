@@ -1,5 +1,5 @@
 """`spotrain pool` commands: create, set, status and list capacity pools (one `CapacityPool`
-workflow per pool). `POOL_LIMITS` are also the options the parser (workers/cli.py) gives
+workflow per pool). `POOL_LIMITS` are also the options the parser (workers/cli/main.py) gives
 `pool create` and `pool set`.
 """
 
@@ -15,8 +15,13 @@ from temporalio.client import WorkflowHandle, WorkflowQueryFailedError, Workflow
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from spotrain.workers.cli_support import OK, RPC_TIMEOUT, USAGE, CliError, client, emit_json, out
-from spotrain.workflows.pool import POOL_ID_PREFIX, PoolConfig, PoolStatus, pool_workflow_id
+from spotrain.workers.cli.support import OK, RPC_TIMEOUT, USAGE, CliError, client, emit_json, out
+from spotrain.workflows.capacity.pool import (
+    POOL_ID_PREFIX,
+    PoolConfig,
+    PoolStatus,
+    pool_workflow_id,
+)
 from spotrain.workflows.spec import describe_errors
 
 POOL_LIMITS = {

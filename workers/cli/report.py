@@ -17,10 +17,10 @@ from pydantic import BaseModel, Field
 from rich.console import Console, Group
 from rich.table import Table
 
-from spotrain.workflows import deadline
-from spotrain.workflows.checkpoints import CheckpointReport, describe
-from spotrain.workflows.deadline import DeadlineState
-from spotrain.workflows.state import JobAccounts, JobResult, JobStatus, Phase, TimelineEntry
+from spotrain.workflows.job.checkpoints import CheckpointReport, describe
+from spotrain.workflows.job.state import JobAccounts, JobResult, JobStatus, Phase, TimelineEntry
+from spotrain.workflows.policies import deadline
+from spotrain.workflows.policies.deadline import DeadlineState
 
 LIFECYCLES = ("spot", "on-demand")
 
@@ -190,13 +190,13 @@ def _matplotlib() -> None:
 
 
 def plot(report: Report, path: Path) -> None:
-    """The job picture (workers/report_picture.py): world size, nodes by lifecycle, steps per
+    """The job picture (workers/cli/report_picture.py): world size, nodes by lifecycle, steps per
     second and cumulative cost over time, with notices, losses, growth, pauses and faults
     marked."""
     if not report.timeline:
         raise ValueError(f"job {report.name} has no timeline yet")
     _matplotlib()
-    from spotrain.workers import report_picture
+    from spotrain.workers.cli import report_picture
 
     path.write_bytes(report_picture.png(report))
 
@@ -214,7 +214,7 @@ def to_html(report: Report, image: Path | None = None) -> str:
     elif report.timeline:
         try:
             _matplotlib()
-            from spotrain.workers import report_picture
+            from spotrain.workers.cli import report_picture
 
             picture = report_picture.png(report)
         except PlotUnavailable:

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from spotrain.workers.report import LIFECYCLES, Report, nodes_over_time, trained_world
+from spotrain.workers.cli.report import LIFECYCLES, Report, nodes_over_time, trained_world
 
 # Why the picture changes, by timeline entry: (label, colour, line style).
 MARKERS = {

@@ -27,9 +27,9 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from spotrain.workers.cli.report import Report
 from spotrain.workers.connect import Unreachable, connect
-from spotrain.workers.report import Report
-from spotrain.workflows.state import JobResult, JobStatus, TimelineEntry
+from spotrain.workflows.job.state import JobResult, JobStatus, TimelineEntry
 
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 JOB_FAILED = "JobFailed"  # the workflow's failure type; details[0] is the JobResult

@@ -19,7 +19,8 @@ from rich.text import Text
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError
 
-from spotrain.workers.cli_support import (
+from spotrain.workers.cli.report import PlotUnavailable, plot, print_report, to_html
+from spotrain.workers.cli.support import (
     OK,
     RPC_TIMEOUT,
     USAGE,
@@ -34,10 +35,10 @@ from spotrain.workers.cli_support import (
     query_status,
     stuck,
 )
-from spotrain.workers.report import PlotUnavailable, plot, print_report, to_html
-from spotrain.workflows import attributes, deadline
-from spotrain.workflows.checkpoints import describe
-from spotrain.workflows.state import JobStatus
+from spotrain.workflows.job import attributes
+from spotrain.workflows.job.checkpoints import describe
+from spotrain.workflows.job.state import JobStatus
+from spotrain.workflows.policies import deadline
 
 STUCK_QUERY_TIMEOUT = timedelta(seconds=5)  # a stuck workflow may not answer at all
 LIST_DESCRIBES = 8  # describe calls in flight at once

@@ -55,7 +55,7 @@ from spotrain.elastic.control import Channel, ControlFile, StoreRecord, poll_int
 from spotrain.elastic.imds import Imds
 from spotrain.elastic.job_store import JobStore
 from spotrain.elastic.step_times import STUCK_AFTER_S, StepClock
-from spotrain.workflows.planner import local_batch_size
+from spotrain.workflows.job.planner import local_batch_size
 
 PROGRESS_INTERVAL_S = 1.0
 STEP_TIMES_INTERVAL_S = 5.0  # one small write per rank: about 720 an hour (S3 PUTs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from spotrain.workflows.planner import local_batch_size
+from spotrain.workflows.job.planner import local_batch_size
 
 if TYPE_CHECKING:  # keeps pydantic out of every training process's start-up
     from spotrain.workflows.contract import GenerationPlan

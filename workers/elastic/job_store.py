@@ -238,7 +238,9 @@ class JobStore:
 
     def rank_steps(self, generation: int, now: float) -> list[Any]:
         """Every rank's step times as `RankSteps` (for the runtimes' watch), ages as of `now`."""
-        from spotrain.workflows.stragglers import RankSteps  # pydantic: not in training code
+        from spotrain.workflows.policies.stragglers import (
+            RankSteps,  # pydantic: not in training code
+        )
 
         keys = self.store.list_keys(f"{self._gen(generation)}/steps/")
         records = {int(Path(k).stem): self.store.get_json(k) for k in keys}
@@ -290,7 +292,7 @@ class JobStore:
 
     def checkpoint_stats(self) -> Any:
         """The records above as `CheckpointStats` (for the runtimes' watch), or None."""
-        from spotrain.workflows.checkpoints import summarize  # pydantic: not in training code
+        from spotrain.workflows.job.checkpoints import summarize  # pydantic: not in training code
 
         records, skipped = self.checkpoints(), self.skipped_checkpoints()
         return summarize(records, skipped) if records or skipped else None

@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 from spotrain.elastic import environment
-from spotrain.workflows.planner import local_batch_size
+from spotrain.workflows.job.planner import local_batch_size
 
 PR_SET_PDEATHSIG = 1
 

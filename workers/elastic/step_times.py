@@ -6,7 +6,7 @@ make every rank's wall time the same, so only the work outside them tells a slow
 else the wall time. The record it leaves in the store (`report_progress` writes it every few
 seconds: no I/O per step) says how long its recent steps take and how long they took when it
 started, so that the orchestrator compares each rank with its own history and with its peers
-(workflows/stragglers.py).
+(workflows/policies/stragglers.py).
 
 A rank stuck in its own work cannot write from its main thread: a daemon thread writes its
 last record once more, marked with the start of the section in progress (`busy_since`), once

@@ -27,12 +27,12 @@ from rich.table import Table
 
 from spotrain.activities.local import LocalRuntime, job_processes
 from spotrain.elastic.job_store import JobStore
-from spotrain.workers.stack import CHECKPOINT_BUCKET, Stack, StackConfig
-from spotrain.workflows.checkpoints import describe
+from spotrain.workers.embedded.stack import CHECKPOINT_BUCKET, Stack, StackConfig
 from spotrain.workflows.contract import CleanupRequest
-from spotrain.workflows.state import JobResult, JobStatus, Phase
+from spotrain.workflows.job.checkpoints import describe
+from spotrain.workflows.job.state import JobResult, JobStatus, Phase
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SETTLE_STEPS = 10  # trained in a generation before the next reclaim
 PROGRESS_EVERY_S = 10.0  # without a terminal: a progress line at least this often
 console = Console()

@@ -36,13 +36,13 @@ from temporalio.client import Client
 
 from spotrain.activities.ec2_ownership import MANAGED
 from spotrain.activities.local import LocalRuntime
-from spotrain.workers.binaries import temporal_cli
 from spotrain.workers.connect import TASK_QUEUE, connect
-from spotrain.workers.spot_market import SpotMarket, Trace
-from spotrain.workers.webhook import WebhookConfig, WebhookService
-from spotrain.workers.webhook_auth import AuthConfig
+from spotrain.workers.embedded.binaries import temporal_cli
+from spotrain.workers.embedded.spot_market import SpotMarket, Trace
+from spotrain.workers.webhook.auth import AuthConfig
+from spotrain.workers.webhook.server import WebhookConfig, WebhookService
 from spotrain.workers.worker import DEFAULT_STATE_DIR, build_activities, run_worker
-from spotrain.workflows import attributes
+from spotrain.workflows.job import attributes
 
 log = logging.getLogger("spotrain.stack")
 CHECKPOINT_BUCKET = "spotrain-checkpoints"

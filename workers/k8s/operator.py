@@ -13,7 +13,7 @@ resourceVersion that wakes the next pass on any change (a 410 Gone only means a 
 with a pass at least every `resync_s` for the status mirror. kopf would add a dependency and
 keep its own progress in annotations; here all state is in the resource and the workflow.
 
-Run: `python -m spotrain.workers.operator --task-queue spotrain` (KUBECONFIG or in-cluster;
+Run: `python -m spotrain.workers.k8s.operator --task-queue spotrain` (KUBECONFIG or in-cluster;
 TEMPORAL_ADDRESS etc. as for every spotrain command).
 """
 
@@ -34,8 +34,8 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.workers.connect import connect
-from spotrain.workers.k8s_crd import API_VERSION, FINALIZER, GROUP, VERSION
-from spotrain.workers.operator_status import (
+from spotrain.workers.k8s.crd import API_VERSION, FINALIZER, GROUP, VERSION
+from spotrain.workers.k8s.operator_status import (
     ScaleStatus,
     event_plan,
     job_input,
@@ -44,8 +44,8 @@ from spotrain.workers.operator_status import (
     workflow_id,
 )
 from spotrain.workflows.contract import ScaleIn, ScaleOut
+from spotrain.workflows.job.state import JobStatus
 from spotrain.workflows.spec import SpecError, parse_spec
-from spotrain.workflows.state import JobStatus
 
 log = logging.getLogger("spotrain.operator")
 RUNNING = WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING

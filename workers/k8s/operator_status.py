@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from spotrain.workflows.contract import ScaleIn, ScaleOut
-from spotrain.workflows.state import JobStatus, TimelineEntry
+from spotrain.workflows.job.state import JobStatus, TimelineEntry
 
 # Timeline entries whose Event is a Warning; every other entry is Normal.
 WARNINGS = ("fault", "failed", "launch failed", "node gone", "reclaim", "scale out timed out")

@@ -48,10 +48,10 @@ from temporalio.converter import decode_typed_search_attributes
 from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities import kube_api
-from spotrain.workers.webhook_events import Ignored, Outcome, outcome_kind
-from spotrain.workers.webhook_metrics import Metrics
-from spotrain.workflows import attributes
+from spotrain.workers.webhook.events import Ignored, Outcome, outcome_kind
+from spotrain.workers.webhook.metrics import Metrics
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
+from spotrain.workflows.job import attributes
 
 log = logging.getLogger("spotrain.webhook")
 

@@ -1,14 +1,14 @@
 """The reclaim webhook: cloud interruption notices in, `reclaim` / `node_lost` signals out.
 
-Each notice is authenticated (webhook_auth), normalised (webhook_events), mapped from instance
+Each notice is authenticated (auth.py), normalised (events.py), mapped from instance
 id to the running job workflow(s) through an index of the `SpotrainNodeIds` search attribute
-that each owner's own state confirms before it is signalled (webhook_dispatch), and signalled
+that each owner's own state confirms before it is signalled (dispatch.py), and signalled
 with its event id. The HTTP answer comes only after Temporal accepted the signal: 503 while
 Temporal is unreachable so the sender retries, and the SQS poller deletes a message only once
 its event was handled. Duplicates have one effect: the signal's request id derives from the
 event id (Temporal drops a repeat within a run) and the workflow dedupes by event id as well.
 
-Endpoints (see webhook_openapi.yaml): POST /v1/reclaims, /v1/events/aws,
+Endpoints (see openapi.yaml): POST /v1/reclaims, /v1/events/aws,
 /v1/events/kubernetes; GET /healthz, /readyz, /metrics.
 """
 
@@ -33,7 +33,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from spotrain.workers.connect import Unreachable, connect, give_up
-from spotrain.workers.webhook_auth import (
+from spotrain.workers.webhook.auth import (
     AuthConfig,
     SnsRejected,
     SnsUnavailable,
@@ -42,13 +42,13 @@ from spotrain.workers.webhook_auth import (
     is_sns_url,
     sns_host,
 )
-from spotrain.workers.webhook_dispatch import (
+from spotrain.workers.webhook.dispatch import (
     Dispatcher,
     NodeNames,
     TemporalUnavailable,
     log_event,
 )
-from spotrain.workers.webhook_events import (
+from spotrain.workers.webhook.events import (
     Ignored,
     MalformedJSON,
     Outcome,
@@ -59,7 +59,7 @@ from spotrain.workers.webhook_events import (
     parse_kubernetes,
     parse_reclaim,
 )
-from spotrain.workers.webhook_metrics import Metrics
+from spotrain.workers.webhook.metrics import Metrics
 
 log = logging.getLogger("spotrain.webhook")
 
@@ -90,7 +90,7 @@ class WebhookConfig:
     rpc_timeout_s: float = 5.0
     header_timeout_s: float = 10.0  # request head complete within this of connect/last answer
     body_timeout_s: float = 10.0  # body complete within this of its head, else 408
-    owner_cache_ttl_s: float = 10.0  # 0: a visibility query per notice (webhook_dispatch)
+    owner_cache_ttl_s: float = 10.0  # 0: a visibility query per notice (dispatch.py)
     busy_retry_s: float = 4.0  # retrying RESOURCE_EXHAUSTED; under EventBridge's 5 s timeout
     queue_url: str | None = None  # SQS queue mode when set
     queue_dedicated: bool = False  # the operator says no one else reads that queue
@@ -513,7 +513,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m spotrain.workers.webhook`; the `spotrain webhook` command calls the same."""
+    """`python -m spotrain.workers.webhook.server`; `spotrain webhook` calls the same."""
     parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 

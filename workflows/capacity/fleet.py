@@ -16,7 +16,6 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import calls, job_planner, make_before_break
     from spotrain.workflows.contract import (
         CAPACITY_ERROR,
         CONFIG_ERROR,
@@ -27,8 +26,10 @@ with workflow.unsafe.imports_passed_through():
         Offer,
         ReleaseRequest,
     )
-    from spotrain.workflows.job_planner import Order, Pool
-    from spotrain.workflows.state import JobState, NodeRecord, NodeState
+    from spotrain.workflows.job import calls, job_planner
+    from spotrain.workflows.job.job_planner import Order, Pool
+    from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
+    from spotrain.workflows.policies import make_before_break
 
 
 def unless_cancelled(err: ActivityError) -> None:

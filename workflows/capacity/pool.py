@@ -24,8 +24,8 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import allocation
-    from spotrain.workflows.allocation import Claim, Grant
+    from spotrain.workflows.capacity import allocation
+    from spotrain.workflows.capacity.allocation import Claim, Grant
     from spotrain.workflows.contract import Message, PoolGrant, PoolReport
     from spotrain.workflows.history import history_is_long
     from spotrain.workflows.spec import NAME_PATTERN

@@ -12,11 +12,11 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import job_planner
+    from spotrain.workflows.capacity.fleet import Fleet
+    from spotrain.workflows.capacity.pool import pool_workflow_id
     from spotrain.workflows.contract import PoolGrant
-    from spotrain.workflows.fleet import Fleet
-    from spotrain.workflows.pool import pool_workflow_id
-    from spotrain.workflows.state import JobFailed, JobState, NodeRecord, Phase
+    from spotrain.workflows.job import job_planner
+    from spotrain.workflows.job.state import JobFailed, JobState, NodeRecord, Phase
 
 
 class PoolMember:

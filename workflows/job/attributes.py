@@ -9,7 +9,7 @@ from typing import Any
 
 from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
 
-from spotrain.workflows.state import JobState
+from spotrain.workflows.job.state import JobState
 
 JOB = SearchAttributeKey.for_keyword("SpotrainJob")
 PHASE = SearchAttributeKey.for_keyword("SpotrainPhase")

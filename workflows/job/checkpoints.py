@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from spotrain.workflows.planner import grace_for_notice
+from spotrain.workflows.job.planner import grace_for_notice
 
 EC2_NOTICE_S = 120.0  # a spot interruption warning comes two minutes ahead
 

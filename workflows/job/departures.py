@@ -9,11 +9,11 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import events, job_planner
-    from spotrain.workflows.fleet import Fleet
-    from spotrain.workflows.ranks import Ranks
-    from spotrain.workflows.state import JobState, NodeRecord, NodeState
-    from spotrain.workflows.swapper import Swapper
+    from spotrain.workflows.capacity.fleet import Fleet
+    from spotrain.workflows.job import events, job_planner
+    from spotrain.workflows.job.ranks import Ranks
+    from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
+    from spotrain.workflows.policies.make_before_break_hooks import Swapper
 
 
 class Departures:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
-from spotrain.workflows import deadline, make_before_break, planner
 from spotrain.workflows.contract import (
     GenerationPlan,
     Lifecycle,
@@ -26,9 +25,11 @@ from spotrain.workflows.contract import (
     ScaleIn,
     WatchResult,
 )
-from spotrain.workflows.events import Event, Lost, Reclaim
+from spotrain.workflows.job import planner
+from spotrain.workflows.job.events import Event, Lost, Reclaim
+from spotrain.workflows.job.state import JobState, NodeRecord, NodeState, Phase
+from spotrain.workflows.policies import deadline, make_before_break
 from spotrain.workflows.spec import JobSpec
-from spotrain.workflows.state import JobState, NodeRecord, NodeState, Phase
 
 Pool = tuple[str, str]  # (instance type, zone)
 

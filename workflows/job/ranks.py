@@ -15,9 +15,9 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import calls, job_planner
     from spotrain.workflows.contract import StopRequest, StopResult, WatchRequest, WatchResult
-    from spotrain.workflows.state import JobState, Phase
+    from spotrain.workflows.job import calls, job_planner
+    from spotrain.workflows.job.state import JobState, Phase
 
 
 class Ranks:

@@ -7,7 +7,7 @@ Pure: the job's state and the runtime's account of the failure in, a reason or N
 from __future__ import annotations
 
 from spotrain.workflows.contract import WatchResult
-from spotrain.workflows.state import JobState
+from spotrain.workflows.job.state import JobState
 
 
 def cannot_start(state: JobState, w: WatchResult) -> str | None:

@@ -12,13 +12,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from spotrain.workflows.budget import BudgetState
-from spotrain.workflows.checkpoints import CheckpointReport, CheckpointStats, report
 from spotrain.workflows.contract import Lifecycle, PoolGrant, StopResult, WatchResult
-from spotrain.workflows.deadline import DeadlineState
-from spotrain.workflows.events import Event
+from spotrain.workflows.job.checkpoints import CheckpointReport, CheckpointStats, report
+from spotrain.workflows.job.events import Event
+from spotrain.workflows.policies.budget import BudgetState
+from spotrain.workflows.policies.deadline import DeadlineState
+from spotrain.workflows.policies.stragglers import Straggler
 from spotrain.workflows.spec import JobSpec
-from spotrain.workflows.stragglers import Straggler
 
 
 class Phase(StrEnum):

@@ -24,17 +24,8 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import (
-        attributes,
-        budget,
-        budget_hooks,
-        calls,
-        deadline_hooks,
-        events,
-        job_planner,
-        start_failure,
-        timed_scale_out,
-    )
+    from spotrain.workflows.capacity.fleet import Fleet, unless_cancelled
+    from spotrain.workflows.capacity.pool_member import PoolMember
     from spotrain.workflows.contract import (
         CONFIG_ERROR,
         CleanupRequest,
@@ -47,14 +38,11 @@ with workflow.unsafe.imports_passed_through():
         SetBudget,
         WatchResult,
     )
-    from spotrain.workflows.departures import Departures
-    from spotrain.workflows.fleet import Fleet, unless_cancelled
     from spotrain.workflows.history import history_is_long
-    from spotrain.workflows.pool_member import PoolMember
-    from spotrain.workflows.ranks import Ranks
-    from spotrain.workflows.scale_out_waits import ScaleOutWaits
-    from spotrain.workflows.spec import SpecError, parse_spec
-    from spotrain.workflows.state import (
+    from spotrain.workflows.job import attributes, calls, events, job_planner, start_failure
+    from spotrain.workflows.job.departures import Departures
+    from spotrain.workflows.job.ranks import Ranks
+    from spotrain.workflows.job.state import (
         JobFailed,
         JobResult,
         JobState,
@@ -64,8 +52,11 @@ with workflow.unsafe.imports_passed_through():
         Phase,
         TimelineEntry,
     )
-    from spotrain.workflows.straggler_watch import StragglerWatch
-    from spotrain.workflows.swapper import Swapper
+    from spotrain.workflows.policies import budget, budget_hooks, deadline_hooks, timed_scale_out
+    from spotrain.workflows.policies.make_before_break_hooks import Swapper
+    from spotrain.workflows.policies.stragglers_hooks import StragglerWatch
+    from spotrain.workflows.policies.timed_scale_out_hooks import ScaleOutWaits
+    from spotrain.workflows.spec import SpecError, parse_spec
 
 INVALID_SPEC = "InvalidSpec"
 JOB_FAILED = "JobFailed"

@@ -9,8 +9,8 @@ from datetime import datetime
 
 from temporalio import workflow
 
-from spotrain.workflows import budget
-from spotrain.workflows.state import JobState, NodeState, Phase
+from spotrain.workflows.job.state import JobState, NodeState, Phase
+from spotrain.workflows.policies import budget
 
 
 def active(s: JobState) -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from spotrain.workflows import deadline
-from spotrain.workflows.state import JobState
+from spotrain.workflows.job.state import JobState
+from spotrain.workflows.policies import deadline
 
 
 def observe(s: JobState, now: datetime) -> None:

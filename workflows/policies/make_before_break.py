@@ -20,9 +20,9 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from spotrain.workflows.contract import Offer
-from spotrain.workflows.events import Reclaim
-from spotrain.workflows.planner import grace_for_notice
-from spotrain.workflows.state import JobState, NodeRecord, NodeState, Swap
+from spotrain.workflows.job.events import Reclaim
+from spotrain.workflows.job.planner import grace_for_notice
+from spotrain.workflows.job.state import JobState, NodeRecord, NodeState, Swap
 
 NOTICE_MARGIN_S = 5.0  # the checkpoint must end this long before the deadline (as a shrink's)
 

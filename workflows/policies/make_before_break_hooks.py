@@ -14,10 +14,11 @@ from datetime import datetime
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import events, make_before_break, warning_rule
-    from spotrain.workflows.fleet import Fleet
-    from spotrain.workflows.ranks import Ranks
-    from spotrain.workflows.state import JobState, Swap
+    from spotrain.workflows.capacity.fleet import Fleet
+    from spotrain.workflows.job import events
+    from spotrain.workflows.job.ranks import Ranks
+    from spotrain.workflows.job.state import JobState, Swap
+    from spotrain.workflows.policies import make_before_break, warning_rule
 
 PATCH = "make-before-break"
 RULE_PATCH = "make-before-break-warning-rule"

@@ -12,10 +12,11 @@ from collections.abc import Awaitable, Callable
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import job_planner, stragglers
+    from spotrain.workflows.capacity.fleet import Fleet
     from spotrain.workflows.contract import WatchResult
-    from spotrain.workflows.fleet import Fleet
-    from spotrain.workflows.state import JobState, NodeRecord
+    from spotrain.workflows.job import job_planner
+    from spotrain.workflows.job.state import JobState, NodeRecord
+    from spotrain.workflows.policies import stragglers
 
 REASON = "straggler"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from spotrain.workflows.state import JobState, NodeRecord, NodeState, PendingScaleOut
+from spotrain.workflows.job.state import JobState, NodeRecord, NodeState, PendingScaleOut
 
 
 def begin(state: JobState, seq: int, count: int, timeout_s: float, now: datetime) -> None:

@@ -12,9 +12,10 @@ from datetime import datetime
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows import events, timed_scale_out
-    from spotrain.workflows.fleet import Fleet
-    from spotrain.workflows.state import JobState, NodeState
+    from spotrain.workflows.capacity.fleet import Fleet
+    from spotrain.workflows.job import events
+    from spotrain.workflows.job.state import JobState, NodeState
+    from spotrain.workflows.policies import timed_scale_out
 
 
 class ScaleOutWaits:

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spotrain.workflows import job_planner
-from spotrain.workflows.make_before_break import NOTICE_MARGIN_S, checkpoint_s
-from spotrain.workflows.state import JobState, NodeRecord
+from spotrain.workflows.job import job_planner
+from spotrain.workflows.job.state import JobState, NodeRecord
+from spotrain.workflows.policies.make_before_break import NOTICE_MARGIN_S, checkpoint_s
 
 # The stated prior (docs/make-before-break-rule.md). p itself is the spec's
 # `elastic.warning_reclaim_probability` (default 0.5: 15 of 30 in the published sample).
