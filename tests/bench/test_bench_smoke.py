@@ -1,5 +1,5 @@
 """Each benchmark at a tiny size, so that they keep working (they are benchmarks, not tests:
-the figures themselves are in bench/README.md). The baseline models are also checked
+the figures themselves are in bench/results/). The baseline models are also checked
 against hand-computed answers, since the spotrain rows are judged against them."""
 
 from __future__ import annotations
