@@ -30,7 +30,7 @@ class Break:
 
 
 def _in(file: str) -> Callable[..., tuple[str, ...]]:
-    """Node ids of tests in `file`."""
+    """Node ids of tests in `file` (a path under tests/)."""
 
     def named(*tests: str) -> tuple[str, ...]:
         return tuple(f"tests/{file}::{t}" for t in tests)
@@ -38,12 +38,12 @@ def _in(file: str) -> Callable[..., tuple[str, ...]]:
     return named
 
 
-PJ = _in("test_planner_job.py")
-PLT = _in("test_planner.py")
-MBT = _in("test_make_before_break_planner.py")
-AUTH = _in("test_webhook_auth.py")
-EC2 = _in("test_ec2.py")
-HO = _in("test_handover.py")
+PJ = _in("workflows/test_planner_job.py")
+PLT = _in("workflows/test_planner.py")
+MBT = _in("workflows/test_make_before_break_planner.py")
+AUTH = _in("webhook/test_webhook_auth.py")
+EC2 = _in("aws/test_ec2.py")
+HO = _in("elastic/test_handover.py")
 JP = "workflows/job/job_planner.py"
 PL = "workflows/job/planner.py"
 MB = "workflows/policies/make_before_break.py"
@@ -500,7 +500,9 @@ SUITE_BREAKS = [
         "workers/elastic/__init__.py",
         "if force or _clock.stale() or now - _last_step_times",
         "if force or now - _last_step_times",
-        _in("test_elastic_lib.py")("test_a_section_written_as_stuck_is_rewritten_at_the_next_step"),
+        _in("elastic/test_elastic_lib.py")(
+            "test_a_section_written_as_stuck_is_rewritten_at_the_next_step"
+        ),
     ),
     Break(
         "hypothesis keeps no wall-clock deadline",
