@@ -15,9 +15,9 @@ How (`async_save` in checkpoint.py):
   (`write_data`) goes to the writer process as the planned items, whose tensors travel as
   shared-memory handles, not bytes.
 - The writer process starts on the first background save and ends with the training process
-  (it reads until its pipe closes). Where `/dev/shm` has no room for the state (a container
-  with the default 64 MB and no memory volume mounted there), the process writes from a
-  thread as before, and says so once.
+  (it reads until its pipe closes). A state under 64 MB is written from a thread (a thread at
+  nice 19: briefly), and so is any where `/dev/shm` has no room for it (a container with the
+  default 64 MB and no memory volume mounted there): the rank says so once.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from torch.distributed.tensor import DTensor
 
 SHM = "/dev/shm"
 NICE = 19
+# Smaller states are written from a thread: they hold the GIL briefly, and starting the
+# writer process (a Python with torch) would cost more than it spares.
+PROCESS_FROM_BYTES = 64 * 2**20
 
 _stager: DefaultStager | None = None
 _use_process: bool | None = None  # decided at the first background save
@@ -43,11 +46,15 @@ _writer: tuple[mp.Process, Connection] | None = None
 
 
 def stager(state: dict[str, Any]) -> AsyncStager | None:
-    """The shared-memory stager for a background save of `state`, or None where `/dev/shm` has
-    no room for it (DCP's own staging then; the write stays in the process)."""
+    """The shared-memory stager for a background save of `state`, or None for a small state
+    or where `/dev/shm` has no room for it (DCP's own staging then; the write stays in the
+    process, from a thread)."""
     global _stager, _use_process
-    if _use_process is None:
-        free, needed = shm_free(), state_bytes(state)
+    needed = state_bytes(state)
+    if needed < PROCESS_FROM_BYTES:
+        return None
+    if _use_process is None:  # (once: the copy cached there counts against it afterwards)
+        free = shm_free()
         _use_process = free > needed * 1.25
         if not _use_process:
             print(
