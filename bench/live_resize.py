@@ -57,6 +57,7 @@ from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
+from spotrain.elastic import checkpoint_writer
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.stack import port_block
 from spotrain.workers.worker import workflow_worker
@@ -105,12 +106,15 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
             n * args.procs_per_node: {"lr": 0.02 if ddp else 3e-3, "ckpt_every": args.ckpt_every}
             for n in range(1, NODES + 1)
         },
+        # "live-thread": live resize, background checkpoints written from a thread of the
+        # training process (as before the writer process), for a side-by-side comparison
+        "env": {checkpoint_writer.PROCESS_FROM_ENV: "1e9"} if mode == "live-thread" else {},
         "checkpoint": f"file://{root / 'ckpt' / name}",
         "checkpoint_keep": 100,  # (every notice's checkpoint record stays to be reported)
         "elastic": {
             "min_nodes": 1,
             "max_nodes": NODES,
-            "resize": mode,
+            "resize": mode.removesuffix("-thread"),
             "graceful_shutdown_timeout_s": 60,
             "scaling_timeout_s": 1,
             "faulty_scale_down_timeout_s": 0,
@@ -354,7 +358,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--losses", type=int, default=20, help="losses without notice per mode")
     parser.add_argument("--step-time", type=float, default=0.02, help="sleep per step (s)")
     parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint (steps)")
-    parser.add_argument("--modes", nargs="+", default=["restart", "live"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["restart", "live", "live-thread"],
+        default=["restart", "live"],
+        help="live-thread: live, background checkpoints written from a thread (as before)",
+    )
     parser.add_argument(
         "--params",
         type=float,

@@ -15,9 +15,10 @@ How (`async_save` in checkpoint.py):
   (`write_data`) goes to the writer process as the planned items, whose tensors travel as
   shared-memory handles, not bytes.
 - The writer process starts on the first background save and ends with the training process
-  (it reads until its pipe closes). A state under 64 MB is written from a thread (a thread at
-  nice 19: briefly), and so is any where `/dev/shm` has no room for it (a container with the
-  default 64 MB and no memory volume mounted there): the rank says so once.
+  (it reads until its pipe closes). A state under 64 MB (SPOTRAIN_CHECKPOINT_PROCESS_FROM_MB)
+  is written from a thread (at nice 19: briefly), and so is any where `/dev/shm` has no room
+  for it (a container with the default 64 MB and no memory volume mounted there): the rank
+  says so once.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from torch.distributed.tensor import DTensor
 SHM = "/dev/shm"
 NICE = 19
 # Smaller states are written from a thread: they hold the GIL briefly, and starting the
-# writer process (a Python with torch) would cost more than it spares.
-PROCESS_FROM_BYTES = 64 * 2**20
+# writer process (a Python with torch) would cost more than it spares. The environment can
+# move the bar (a huge value keeps every write in a thread, as before the writer process).
+PROCESS_FROM_ENV = "SPOTRAIN_CHECKPOINT_PROCESS_FROM_MB"
+PROCESS_FROM_BYTES = int(float(os.environ.get(PROCESS_FROM_ENV) or 64) * 2**20)
 
 _stager: DefaultStager | None = None
 _use_process: bool | None = None  # decided at the first background save
