@@ -145,7 +145,10 @@ def _serve(conn: Connection) -> None:
             result: Any = writer.write_data(plan, _Planned(items)).wait()
         except Exception as err:  # (reported to the training process, which records it)
             result = RuntimeError(f"{type(err).__name__}: {err}")
-        conn.send(result)
+        try:
+            conn.send(result)
+        except OSError:  # the training process is gone (killed mid-write)
+            return
         del items, plan  # (drop the shared buffers' handles before waiting)
 
 
