@@ -52,6 +52,7 @@ from typing import Any
 
 from kubernetes import client as kube_client
 from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
@@ -134,15 +135,18 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
 
 async def status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
     """The job's status. A query the SDK refused because the workflow task took over 2 s of
-    CPU (its deadlock detector: a starved machine, load above 20 seen here) is asked again:
-    the workflow itself retries that task and goes on."""
+    CPU (its deadlock detector), or one the server gave up on (its RPC deadline), on a
+    starved machine (load above 20 seen here), is asked again: the workflow goes on."""
     while True:
         try:
             return await handle.query("status", result_type=JobStatus)
         except WorkflowQueryFailedError as err:
             if "Potential deadlock" not in str(err):
                 raise
-            await asyncio.sleep(1)
+        except RPCError as err:
+            if err.status not in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+                raise
+        await asyncio.sleep(1)
 
 
 async def back_at_full_size(
