@@ -105,8 +105,14 @@ def pod_body(
     env = pod_env(plan, index, 0, ns, master_port, master_pod)
     if state_from is not None:
         env[environment.STATE_FROM] = state_from
-    mounts = [{"name": "control", "mountPath": CONTROL_DIR, "readOnly": True}]
+    mounts = [
+        {"name": "control", "mountPath": CONTROL_DIR, "readOnly": True},
+        # A container's /dev/shm is 64 MB: too small for data loader workers and the
+        # background checkpoint's shared-memory copy of the state (checkpoint_writer.py).
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
     volumes: list[dict[str, Any]] = [
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
         {
             "name": "control",
             "downwardAPI": {

@@ -52,11 +52,13 @@ from typing import Any
 
 from kubernetes import client as kube_client
 from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
+from spotrain.elastic import checkpoint_writer
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.embedded.stack import port_block
 from spotrain.workers.worker import workflow_worker
@@ -105,12 +107,15 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
             n * args.procs_per_node: {"lr": 0.02 if ddp else 3e-3, "ckpt_every": args.ckpt_every}
             for n in range(1, NODES + 1)
         },
+        # "live-thread": live resize, background checkpoints written from a thread of the
+        # training process (as before the writer process), for a side-by-side comparison
+        "env": {checkpoint_writer.PROCESS_FROM_ENV: "1e9"} if mode == "live-thread" else {},
         "checkpoint": f"file://{root / 'ckpt' / name}",
         "checkpoint_keep": 100,  # (every notice's checkpoint record stays to be reported)
         "elastic": {
             "min_nodes": 1,
             "max_nodes": NODES,
-            "resize": mode,
+            "resize": mode.removesuffix("-thread"),
             "graceful_shutdown_timeout_s": 60,
             "scaling_timeout_s": 1,
             "faulty_scale_down_timeout_s": 0,
@@ -130,15 +135,18 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
 
 async def status(handle: WorkflowHandle[Any, Any]) -> JobStatus:
     """The job's status. A query the SDK refused because the workflow task took over 2 s of
-    CPU (its deadlock detector: a starved machine, load above 20 seen here) is asked again:
-    the workflow itself retries that task and goes on."""
+    CPU (its deadlock detector), or one the server gave up on (its RPC deadline), on a
+    starved machine (load above 20 seen here), is asked again: the workflow goes on."""
     while True:
         try:
             return await handle.query("status", result_type=JobStatus)
         except WorkflowQueryFailedError as err:
             if "Potential deadlock" not in str(err):
                 raise
-            await asyncio.sleep(1)
+        except RPCError as err:
+            if err.status not in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+                raise
+        await asyncio.sleep(1)
 
 
 async def back_at_full_size(
@@ -354,7 +362,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--losses", type=int, default=20, help="losses without notice per mode")
     parser.add_argument("--step-time", type=float, default=0.02, help="sleep per step (s)")
     parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint (steps)")
-    parser.add_argument("--modes", nargs="+", default=["restart", "live"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["restart", "live", "live-thread"],
+        default=["restart", "live"],
+        help="live-thread: live, background checkpoints written from a thread (as before)",
+    )
     parser.add_argument(
         "--params",
         type=float,

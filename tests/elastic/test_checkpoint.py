@@ -237,7 +237,7 @@ def test_an_asynchronous_save_writes_from_a_thread_that_yields_the_cpu(tmp_path:
     from spotrain.elastic import checkpoint
 
     def write() -> int:
-        writer = checkpoint.storage_writer(str(tmp_path / "ckpt"), background=True)
+        writer = checkpoint.storage_writer(str(tmp_path / "ckpt"), background="thread")
         dcp.save({"w": torch.ones(4)}, storage_writer=writer, no_dist=True)
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 

@@ -110,6 +110,11 @@ def test_gang_start_waits_for_every_pod_ready(
     assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses
     assert svc.spec.selector == {"spotrain.io/job": JOB}
     assert pod.spec.hostname == "mnist-g1-1" and pod.spec.subdomain == "spotrain-mnist"
+    # /dev/shm is a memory volume, not the container's 64 MB: the background checkpoint
+    # stages the state there (checkpoint_writer.py)
+    shm = next(m for m in pod.spec.containers[0].volume_mounts if m.mount_path == "/dev/shm")
+    volume = next(v for v in pod.spec.volumes if v.name == shm.name)
+    assert volume.empty_dir.medium == "Memory"
 
 
 def test_multi_process_node_runs_once_with_local_world_size(

@@ -40,8 +40,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
 
 from spotrain import elastic
+from spotrain.elastic import checkpoint_writer
 from spotrain.elastic.job_store import JobStore
 
 # DCP reports a failure on any rank to every rank as a CheckpointException (a BaseException).
@@ -69,8 +73,8 @@ def _s3_settings() -> tuple[str, Any, str | None]:
 
 class _Yielding:
     """A DCP writer whose writing thread yields the CPU to training (nice 19 for that thread
-    alone): an asynchronous save insures, it is not urgent, and on a node whose cores train
-    (CPU training, data loading) it would otherwise slow every step while it writes."""
+    alone): an asynchronous save insures, it is not urgent. Where the writer process cannot
+    be used (checkpoint_writer.py)."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         if threading.current_thread() is not threading.main_thread():
@@ -79,23 +83,44 @@ class _Yielding:
         return super().write_data(plan, planner)  # type: ignore[misc]
 
 
-class _YieldingFileWriter(_Yielding, dcp.FileSystemWriter):
-    pass
+class _InWriterProcess:
+    """A DCP writer whose writing runs in the writer process (checkpoint_writer.py): planning
+    stays here, the planned items (shared-memory tensors) go there."""
+
+    location: str
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        items = [(item, planner.resolve_data(item)) for item in plan.items]
+        done: TorchFuture[list[WriteResult]] = TorchFuture()
+        done.set_result(checkpoint_writer.write(self.location, plan, items))
+        return done
 
 
-def storage_writer(path: str, background: bool = False) -> StorageWriter:
-    """A DCP writer for a local path or an s3:// URI; `background`: its writing thread yields
-    the CPU to training (an asynchronous save's)."""
-    if not path.startswith("s3://"):
-        return _YieldingFileWriter(path) if background else dcp.FileSystemWriter(path)
-    from s3torchconnector._s3client import S3Client
-    from s3torchconnector.dcp import S3FileSystem, S3StorageWriter
+BACKGROUND = {"thread": _Yielding, "process": _InWriterProcess}
 
-    kind = type("YieldingS3Writer", (_Yielding, S3StorageWriter), {}) if background else None
-    region, config, endpoint = _s3_settings()
-    writer = (kind or S3StorageWriter)(region, path, s3client_config=config)
-    client = S3Client(region, endpoint=endpoint, s3client_config=config)
-    writer.fs = S3FileSystem(region, s3_client=client)  # its constructor takes no endpoint
+
+def storage_writer(path: str, background: str | None = None) -> StorageWriter:
+    """A DCP writer for a local path or an s3:// URI; `background` (an asynchronous save's):
+    "process" writes in the writer process, "thread" from a thread that yields the CPU."""
+    if path.startswith("s3://"):
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3FileSystem, S3StorageWriter
+
+        region, config, endpoint = _s3_settings()
+        base: type[StorageWriter] = S3StorageWriter
+        args: tuple[Any, ...] = (region, path)
+        kwargs: dict[str, Any] = {"s3client_config": config}
+    else:
+        base, args, kwargs = dcp.FileSystemWriter, (path,), {}
+    if background:
+        mixin = BACKGROUND[background]
+        base = type(f"{mixin.__name__.strip('_')}{base.__name__}", (mixin, base), {})
+    writer = base(*args, **kwargs)
+    if background == "process":
+        writer.location = path  # type: ignore[attr-defined]
+    if path.startswith("s3://"):
+        client = S3Client(region, endpoint=endpoint, s3client_config=config)
+        writer.fs = S3FileSystem(region, s3_client=client)  # its constructor takes no endpoint
     return writer
 
 
@@ -166,8 +191,11 @@ class Checkpointer:
         started = time.monotonic()
         self.wait()
         path = self.store.checkpoint_path(step)
-        writer = storage_writer(path, background=True)
-        future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+        stager = checkpoint_writer.stager(state)
+        writer = storage_writer(path, background="process" if stager else "thread")
+        future = dcp.async_save(
+            state, storage_writer=writer, process_group=self.group, async_stager=stager
+        )
         blocked = time.monotonic() - started
         pending = _InFlight(step, path, kind, started, blocked, future, notice_at)
         future.add_done_callback(lambda _f: pending.done_at.append(time.monotonic()))

@@ -1,0 +1,162 @@
+"""Where a background checkpoint is written: in a process of its own at nice 19, from a
+shared-memory copy of the state, not in a thread of the training process.
+
+Why: a writing thread shares the training process's GIL, and `torch.save` holds it through
+long native stretches (the copy into the file, the zip record's checksum). At nice 19 on
+cores that train, such a thread waits long for a core while it holds the GIL, so every op
+training dispatches from Python waits behind it: the write's pause lands on the steps it was
+meant to spare. A process of its own only takes what the cores leave idle.
+
+How (`async_save` in checkpoint.py):
+- The state is staged into shared memory, cached across saves (the same buffers each time:
+  after the first save, staging is a copy, with no allocation or page faults). The rank thus
+  keeps a copy of its checkpointed state in `/dev/shm` for its lifetime.
+- DCP plans the save in the training process as usual (its collectives); the writing itself
+  (`write_data`) goes to the writer process as the planned items, whose tensors travel as
+  shared-memory handles, not bytes.
+- The writer process starts on the first background save and ends with the training process
+  (it reads until its pipe closes). A state under 64 MB (SPOTRAIN_CHECKPOINT_PROCESS_FROM_MB)
+  is written from a thread (at nice 19: briefly), and so is any where `/dev/shm` has no room
+  for it (a container with the default 64 MB and no memory volume mounted there): the rank
+  says so once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+
+SHM = "/dev/shm"
+NICE = 19
+# Smaller states are written from a thread: they hold the GIL briefly, and starting the
+# writer process (a Python with torch) would cost more than it spares. The environment can
+# move the bar (a huge value keeps every write in a thread, as before the writer process).
+PROCESS_FROM_ENV = "SPOTRAIN_CHECKPOINT_PROCESS_FROM_MB"
+PROCESS_FROM_BYTES = int(float(os.environ.get(PROCESS_FROM_ENV) or 64) * 2**20)
+
+_stager: DefaultStager | None = None
+_use_process: bool | None = None  # decided at the first background save
+_writer: tuple[mp.Process, Connection] | None = None
+
+
+def stager(state: dict[str, Any]) -> AsyncStager | None:
+    """The shared-memory stager for a background save of `state`, or None for a small state
+    or where `/dev/shm` has no room for it (DCP's own staging then; the write stays in the
+    process, from a thread)."""
+    global _stager, _use_process
+    needed = state_bytes(state)
+    if needed < PROCESS_FROM_BYTES:
+        return None
+    if _use_process is None:  # (once: the copy cached there counts against it afterwards)
+        free = shm_free()
+        _use_process = free > needed * 1.25
+        if not _use_process:
+            print(
+                f"background checkpoints write from a thread: {SHM} has {free / 2**20:.0f} MiB"
+                f" free, the state needs {needed / 2**20:.0f} MiB there (mount a memory volume"
+                " at /dev/shm)",
+                file=sys.stderr,
+                flush=True,
+            )
+    if not _use_process:
+        return None
+    if _stager is None:
+        _stager = DefaultStager(StagingOptions(False, True, False, False))  # (shared memory)
+    return _stager
+
+
+def shm_free() -> int:
+    """Bytes free in `/dev/shm` (0 where there is none)."""
+    try:
+        st = os.statvfs(SHM)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of every tensor in a (nested) state dict: a sharded one's local shard."""
+    if isinstance(state, DTensor):
+        return state_bytes(state.to_local())
+    if isinstance(state, torch.Tensor):
+        return state.untyped_storage().nbytes()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def write(location: str, plan: SavePlan, items: list[tuple[WriteItem, Any]]) -> list[WriteResult]:
+    """Write this rank's planned `items` of the checkpoint at `location` in the writer process
+    (started on first use); their results, or the writer's error raised here."""
+    global _writer
+    if _writer is None or not _writer[0].is_alive():
+        _writer = _start()
+    try:
+        _writer[1].send((location, plan, items))
+        result = _writer[1].recv()
+    except (EOFError, OSError) as err:
+        _writer = None  # (it died: the next save starts another)
+        raise RuntimeError(f"the checkpoint writer process died: {err!r}") from err
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def pid() -> int | None:
+    """The writer process's pid, once started."""
+    return _writer[0].pid if _writer else None
+
+
+def _start() -> tuple[mp.Process, Connection]:
+    ctx = mp.get_context("spawn")  # (forking a training process copies its threads' locks)
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(
+        target=_serve, args=(theirs,), name="spotrain-checkpoint-writer", daemon=True
+    )
+    process.start()
+    theirs.close()
+    return process, ours
+
+
+def _serve(conn: Connection) -> None:
+    """The writer process: write each request's items, answer with the results (or the error),
+    until the training process closes the pipe."""
+    from spotrain.elastic.checkpoint import storage_writer
+
+    os.setpriority(os.PRIO_PROCESS, 0, NICE)
+    while True:
+        try:
+            location, plan, items = conn.recv()
+        except EOFError:
+            return
+        try:
+            writer = storage_writer(location)
+            result: Any = writer.write_data(plan, _Planned(items)).wait()
+        except Exception as err:  # (reported to the training process, which records it)
+            result = RuntimeError(f"{type(err).__name__}: {err}")
+        try:
+            conn.send(result)
+        except OSError:  # the training process is gone (killed mid-write)
+            return
+        del items, plan  # (drop the shared buffers' handles before waiting)
+
+
+class _Planned:
+    """A save planner's `resolve_data` for items resolved in the training process."""
+
+    def __init__(self, items: list[tuple[WriteItem, Any]]) -> None:
+        self.data = {item.index: data for item, data in items}
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        return self.data[item.index]
