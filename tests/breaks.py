@@ -44,6 +44,7 @@ MBT = _in("workflows/test_make_before_break_planner.py")
 AUTH = _in("webhook/test_webhook_auth.py")
 EC2 = _in("aws/test_ec2.py")
 HO = _in("elastic/test_handover.py")
+CW = _in("elastic/test_checkpoint_writer.py")
 JP = "workflows/job/job_planner.py"
 PL = "workflows/job/planner.py"
 MB = "workflows/policies/make_before_break.py"
@@ -463,6 +464,20 @@ EC2_BREAKS = [
 # --- the live rank hand-over: tensors from the survivors at the newest step -------------------
 HO_PY = "workers/elastic/handover.py"
 HANDOVER_BREAKS = [
+    Break(
+        "background checkpoint: written in the writer process",
+        "workers/elastic/checkpoint.py",
+        'background="process" if stager else "thread"',
+        'background="thread"',
+        CW("test_a_background_save_writes_in_a_process_of_its_own_at_nice_19"),
+    ),
+    Break(
+        "background checkpoint: the shared-memory copy is cached",
+        "workers/elastic/checkpoint_writer.py",
+        "if _stager is None:",
+        "if True:",
+        CW("test_staging_reuses_its_shared_memory_copy_across_saves"),
+    ),
     Break(
         "hand-over: every rank at the newest step gives",
         HO_PY,
