@@ -28,6 +28,7 @@ RECORDING = [
     "tests/test_live_resize.py",
     "tests/test_budget.py",
     "tests/test_stragglers.py",
+    "tests/test_scheduled_change.py",
 ]
 
 
