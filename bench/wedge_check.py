@@ -17,6 +17,7 @@ they ran.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -45,6 +46,12 @@ def traces() -> list[str]:
     return args
 
 
+def _die_with_parent() -> None:
+    """In a busy loop's child before exec: the kernel kills it when this process ends, however
+    it ends (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def cpu_s(pid: int) -> float:
     """A process's CPU seconds so far (user + system)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -57,13 +64,22 @@ def one_run(n: int, nice: int, extra: list[str]) -> dict[str, Any]:
         cmd = ["nice", "-n", str(nice), sys.executable, "-m", "bench.goodput", *traces(), *extra]
         cmd += ["--out", out]
         load_start, began = os.getloadavg(), time.monotonic()
+        # its own session: the run and its servers end together if this one ends early
+        child = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            proc = subprocess.run(
-                cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_LIMIT_S
-            )
-        except subprocess.TimeoutExpired as err:  # a wedge nothing inside caught
-            stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else err.stderr or ""
+            _, stderr = child.communicate(timeout=RUN_LIMIT_S)
+            proc = subprocess.CompletedProcess(cmd, child.returncode, "", stderr)
+        except subprocess.TimeoutExpired:  # a wedge nothing inside caught
+            os.killpg(child.pid, signal.SIGKILL)
+            _, stderr = child.communicate()
             proc = subprocess.CompletedProcess(cmd, -1, "", stderr + "\n(wedge check: timed out)")
+        except BaseException:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise
         real = time.monotonic() - began
         report: dict[str, Any] = {}
         path = Path(out) / "goodput.json"
@@ -100,10 +116,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--out", type=Path, default=REPO / "bench" / "results" / "goodput_wedge_check_busy.json"
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs already in --out and go on from the next (its busy loops anew)",
+    )
     p.add_argument("extra", nargs="*", help="more bench.goodput arguments (after --)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the finally clauses run)
     loops = [
-        subprocess.Popen(["bash", "-c", "while :; do :; done"]) for _ in range(args.busy_loops)
+        subprocess.Popen(["bash", "-c", "while :; do :; done"], preexec_fn=_die_with_parent)
+        for _ in range(args.busy_loops)
     ]
     report: dict[str, Any] = {
         "command": f"python -m bench.wedge_check --runs {args.runs} --busy-loops "
@@ -114,14 +137,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cores": os.cpu_count(),
         "runs": [],
     }
+    if args.resume and args.out.exists():
+        report = json.loads(args.out.read_text())
+    report.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
     try:
-        for n in range(1, args.runs + 1):
+        for n in range(len(report["runs"]) + 1, args.runs + 1):
+            before = [cpu_s(loop.pid) for loop in loops]
             run = one_run(n, args.nice, args.extra)
+            run["busy_loop_cpu_s"] = [
+                round(cpu_s(loop.pid) - b) for loop, b in zip(loops, before, strict=True)
+            ]
             report["runs"].append(run)
             print(json.dumps(run), flush=True)
             args.out.write_text(json.dumps(report, indent=1))  # each run kept as it ends
     finally:
-        report["busy_loop_cpu_s"] = [round(cpu_s(loop.pid)) for loop in loops]
         for loop in loops:
             loop.send_signal(signal.SIGKILL)
             loop.wait()
