@@ -123,7 +123,7 @@ def pod_body(
                     }
                 ]
             },
-        }
+        },
     ]
     if plan.job_type in LOGIN_TYPES:
         env[HOSTFILE_ENV] = f"{HOSTS_DIR}/hostfile"

@@ -71,6 +71,8 @@ BOOTING = "Booting"  # launch_node's retryable error while its node boots
 class SimulatedCloud:
     """Spot pools with capacity from a function of time (a trace), on-demand always available."""
 
+    ID_FORMAT = "sim-{:05d}"  # node ids (a subclass may name them as EC2 does)
+
     def __init__(
         self,
         zones: list[str] | None = None,
@@ -131,7 +133,7 @@ class SimulatedCloud:
                     non_retryable=True,
                 )
             info = NodeInfo(
-                node_id=f"sim-{next(self._ids):05d}",
+                node_id=self.ID_FORMAT.format(next(self._ids)),
                 slot=req.slot,
                 lifecycle=req.lifecycle,
                 instance_type=req.instance_type,

@@ -95,7 +95,7 @@ class RecordingRuntime(SimulatedRuntime):
             checkpoint_every=setup.checkpoint_every,
             restart_cost_s=setup.restart_cost_s,
             checkpoint_s=setup.checkpoint_s,
-            live=measured_live_pauses(setup.state_gb),
+            live=measured_live_pauses(setup.state_gb, setup.live_results),
         )
         self.worlds: list[tuple[datetime, int]] = []
 
@@ -524,6 +524,14 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         help="spotrain's elastic.resize: live (the product's, default), restart, or both "
         "(live's rows, then restart's marked '(restart)')",
     )
+    p.add_argument(
+        "--live-resize-results",
+        dest="live_results",
+        default="",
+        metavar="PATH",
+        help="live mode's pauses from this bench.live_resize results file (default: "
+        "bench/results/live_resize.json; e.g. bench/results/live_resize_fsdp_25m.json)",
+    )
     p.add_argument("--no-deadline", action="store_true", help="skip the deadline policies")
     p.add_argument("--no-mbb", action="store_true", help="skip the make-before-break rows")
     p.add_argument(
@@ -571,7 +579,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "traces": [f"{t.zone}: {len(t.data)} x {t.gap_s:.0f} s" for t in setup.traces],
             "deadline_h": setup.deadline_s() / 3600,
             "total_steps": setup.total_steps,
-            "live_pauses": asdict(measured_live_pauses(setup.state_gb)),
+            "live_pauses": asdict(measured_live_pauses(setup.state_gb, setup.live_results)),
         },
         "load_average": os.getloadavg(),
         "rows": [r.report(setup, oracle_h, rows[0].idle()) for r in rows],

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +35,7 @@ RETRIES = 2  # fresh servers a policy's run gets after a wedged one
 STILL_CPU = 0.15  # CPU seconds per second (all processes together) that count as idle
 SKIPPING = 2.0  # server seconds per real second above which the server is skipping time
 CANCEL_WAIT_S = 10.0  # how long an abandoned run gets to unwind before the server goes
+SEEN = 12  # watchdog samples printed when a run passes its timeout
 
 RunFn = Callable[[WorkflowEnvironment], Awaitable[Row]]
 
@@ -71,6 +73,18 @@ def cpu_seconds(root: int) -> float:
 Sample = tuple[datetime | None, float, float]  # server time (None: no answer), CPU s, real s
 
 
+def describe(before: Sample, after: Sample) -> str:
+    """Server seconds and CPU seconds per real second between two samples (for the log of a
+    run abandoned on its timeout: which of the two kept it from counting as still)."""
+    real = max(after[2] - before[2], 1e-9)
+    server = (
+        "no answer"
+        if after[0] is None or before[0] is None
+        else f"{(after[0] - before[0]).total_seconds() / real:.3g}"
+    )
+    return f"server {server} s/s, CPU {(after[1] - before[1]) / real:.2f}"
+
+
 def still(before: Sample, after: Sample) -> bool:
     """Between two samples the server did not skip time (its clock, if it answered, kept at
     most real time's pace) and the CPU stayed idle."""
@@ -98,18 +112,25 @@ async def watched(env: WorkflowEnvironment, run: Awaitable[Row], wedge_s: float)
     task = asyncio.ensure_future(run)
     period = wedge_s / 6
     last, still_since = await _sample(env), time.monotonic()
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=period)
-        if done:
-            return task.result()
-        sample = await _sample(env)
-        if not still(last, sample):
-            still_since = time.monotonic()
-        elif time.monotonic() - still_since >= wedge_s:
-            task.cancel()
-            await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
-            raise Wedged(f"no time skipped and CPU idle for {wedge_s:.0f} s")
-        last = sample
+    seen: deque[str] = deque(maxlen=SEEN)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=period)
+            if done:
+                return task.result()
+            sample = await _sample(env)
+            seen.append(describe(last, sample))
+            if not still(last, sample):
+                still_since = time.monotonic()
+            elif time.monotonic() - still_since >= wedge_s:
+                task.cancel()
+                await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+                raise Wedged(f"no time skipped and CPU idle for {wedge_s:.0f} s")
+            last = sample
+    except asyncio.CancelledError:  # `run_timeout_s` passed: say what the watchdog saw
+        print(f"run timed out; the watchdog's last samples: {'; '.join(seen)}", file=sys.stderr)
+        task.cancel()
+        raise
 
 
 async def on_fresh_server(setup: Setup, policy: str, run: RunFn) -> Row:

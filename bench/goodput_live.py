@@ -78,8 +78,11 @@ def live_pauses(
     )
 
 
-def measured_live_pauses(state_gb: float) -> LivePauses:
-    return live_pauses(state_gb, live_medians(), handover_points())
+def measured_live_pauses(state_gb: float, live_results: str = "") -> LivePauses:
+    """Live pauses from `live_results` (a bench.live_resize results file, for example a
+    sharded model's; "": bench/results/live_resize.json) and the hand-over sweep."""
+    medians = live_medians(Path(live_results)) if live_results else live_medians()
+    return live_pauses(state_gb, medians, handover_points())
 
 
 def lognormal_boot(median_s: float, sigma: float, seed: int) -> Callable[[], float]:

@@ -33,6 +33,7 @@ class Setup:
     restart_cost_s: float = 120.0  # restart mode: each generation's processes start and load
     resize: str = "live"  # spotrain's elastic.resize (the product's default); or "restart"
     state_gb: float = 0.8  # model + optimizer state: 100M params, fp32 with SGD momentum
+    live_results: str = ""  # live mode's pauses: a bench.live_resize results file ("": ours)
     boot_median_s: float = 60.0  # a launched node's boot to ready: lognormal, this median
     boot_sigma: float = 0.5  # ... and this sigma of its log (p90: 1.9x the median)
     seed: int = 1  # the boot delays' draws

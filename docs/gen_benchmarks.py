@@ -12,6 +12,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ("goodput", "live_resize", "handover", "checkpoint", "reaction", "scale", "webhook_burst")
+WRITTEN_BY = {"goodput_wedge_check": "wedge_check"}  # files named for what they check
 
 
 def figure(value: Any) -> str:
@@ -39,6 +40,9 @@ def flat(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def script_for(path: Path) -> str:
+    for prefix, script in WRITTEN_BY.items():
+        if path.stem.startswith(prefix):
+            return script
     return next(s for s in sorted(SCRIPTS, key=len, reverse=True) if path.stem.startswith(s))
 
 
@@ -72,7 +76,7 @@ def section(path: Path) -> str:
         if machine
         else "Machine: the shared 2-core development machine (load not recorded).\n\n"
     )
-    rows = [flat(r) for r in data.get("rows", [])]
+    rows = [flat(r) for r in data.get("rows") or data.get("runs") or []]
     if rows:
         columns = list(dict.fromkeys(k for r in rows for k in r))
         out.append("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n")

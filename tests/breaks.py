@@ -45,6 +45,7 @@ AUTH = _in("webhook/test_webhook_auth.py")
 EC2 = _in("aws/test_ec2.py")
 HO = _in("elastic/test_handover.py")
 CW = _in("elastic/test_checkpoint_writer.py")
+SCH = _in("workflows/test_scheduled_change.py")
 JP = "workflows/job/job_planner.py"
 PL = "workflows/job/planner.py"
 MB = "workflows/policies/make_before_break.py"
@@ -292,7 +293,7 @@ PLANNER_BREAKS = [
     Break(
         "early_warning / reclaim_notice: make_before_break",
         MB,
-        'policy = e.warning_policy if event.kind == "rebalance" else e.reclaim_notice',
+        "policy = e.warning_policy if event.kind in WARNINGS else e.reclaim_notice",
         'policy = "make_before_break"',
         MBT("test_policies_pass_to_the_usual_reclaim_path"),
     ),
@@ -567,6 +568,29 @@ WARNING_RULE_BREAKS = [
         "and swap_window >= BOOT_S",
         "",
         WRT,
+    ),
+    Break(
+        "warning rule: a scheduled change is certain",
+        WR,
+        "return replace(case, p=1.0, notice_swaps=False)",
+        "return case",
+        SCH("test_the_rule_takes_a_scheduled_change_as_certain"),
+    ),
+    Break(
+        "a scheduled change's swap keeps its start as its deadline",
+        MB,
+        "deadline = event.deadline if dated else None",
+        'deadline = event.deadline if event.kind == "reclaim" else None',
+        SCH(
+            "test_a_scheduled_change_swaps_by_its_own_start_and_shrinks_if_the_replacement_is_late"
+        ),
+    ),
+    Break(
+        "AWS Health scheduled change: its own kind, due at startTime",
+        "workers/webhook_events.py",
+        "return [_scheduled(i, health_event_id(event.id, i), start) for i in instances]",
+        "return [_early_warning(i, health_event_id(event.id, i)) for i in instances]",
+        SCH("test_aws_payloads_of_scheduled_changes_parse_to_their_own_kind_and_start"),
     ),
 ]
 

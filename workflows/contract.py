@@ -34,9 +34,12 @@ class ReclaimNotice(Message):
     node_id: str
     deadline: datetime | None = None
     event_id: str | None = None
-    kind: Literal["interruption", "rebalance"] = Field(
+    kind: Literal["interruption", "rebalance", "scheduled"] = Field(
         "interruption",
-        description="rebalance: an early warning the job acts on only if its policy says so",
+        description="rebalance: an early warning the job acts on only if its policy says so; "
+        "scheduled: a change AWS scheduled for the instance (retirement, stop, reboot, "
+        "maintenance), certain to come at `deadline` (its start time; None: not given), an "
+        "early warning that make_before_break's rule takes as certain",
     )
 
 

@@ -251,6 +251,24 @@ async def test_a_run_whose_server_stops_skipping_time_with_cpu_idle_is_abandoned
     assert goodput_harness.cpu_seconds(os.getpid()) > 0  # this process has run
 
 
+async def test_a_run_past_its_timeout_says_what_the_watchdog_saw(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run the watchdog never calls still (its server skipping time) that passes
+    `run_timeout_s` prints the watchdog's last samples, so a wedge it missed shows why."""
+
+    class Skipping:
+        async def get_current_time(self) -> datetime:
+            return T0 + timedelta(seconds=time.monotonic() * 3601)
+
+    monkeypatch.setattr(goodput_harness, "cpu_seconds", lambda _pid: 42.0)
+    watched = goodput_harness.watched(Skipping(), asyncio.Event().wait(), wedge_s=0.6)  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(watched, 1.0)
+    said = capsys.readouterr().err
+    assert "run timed out; the watchdog's last samples: server 3.6e+03 s/s, CPU 0.00" in said
+
+
 def test_each_finished_row_is_written_as_it_completes(tmp_path: Path) -> None:
     log = goodput_harness.RowLog(tmp_path / "rows.jsonl")
     log.write({"policy": "a"})

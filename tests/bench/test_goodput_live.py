@@ -52,6 +52,12 @@ def test_measured_figures_are_read_from_the_results_files(tmp_path: Path) -> Non
     missing = tmp_path / "none.json"
     assert goodput_live.live_medians(missing) == goodput_live.LIVE_MEDIANS
     assert goodput_live.handover_points(missing) == goodput_live.HANDOVER_POINTS
+    # --live-resize-results: another model's pauses (a sharded one's), the hand-over added
+    pauses = goodput_live.measured_live_pauses(0.08, str(live))
+    assert (pauses.loss_s, pauses.shrink_s) == (0.7, goodput_live.LIVE_MEDIANS["shrink"])
+    assert pauses.growth_s == pytest.approx(
+        0.5 + goodput_live.handover_s(0.08, goodput_live.handover_points())
+    )
 
 
 def test_boot_delays_are_lognormal_around_the_median_and_reproducible() -> None:

@@ -28,6 +28,7 @@ RECORDING = [
     "tests/elastic/test_live_resize.py",
     "tests/workflows/test_budget.py",
     "tests/workflows/test_stragglers.py",
+    "tests/workflows/test_scheduled_change.py",
 ]
 
 

@@ -37,6 +37,7 @@ def test_histories_were_recorded() -> None:
         "budget_pause",
         "straggler_replace",
         "straggler_lockstep_hang",
+        "scheduled_change_swap",
     }
     assert required <= scenarios, (
         f"missing {required - scenarios}: tests/replay/record_histories.py"

@@ -97,8 +97,14 @@ CORPUS: list[tuple[str, str, str, int, list[dict[str, Any]]]] = [
     ("/v1/events/aws", "eventbridge/nth-asg-lifecycle-terminate.json", "i-0633ac2b0d9769723",
      202, []),
     ("/v1/events/aws", "eventbridge/nth-state-change-pending.json", "i-abcd1111", 202, []),
+    # a scheduled change: its own kind, due at the event's startTime (RFC 1123 in the event)
     ("/v1/events/aws", "eventbridge/nth-health-scheduled-change.json", "i-12345678", 200,
-     [expect("reclaim", "i-12345678", f"{HEALTH_ID}/i-12345678", kind="rebalance")]),
+     [expect("reclaim", "i-12345678", f"{HEALTH_ID}/i-12345678", "2016-06-05T15:10:09Z",
+             kind="scheduled")]),
+    ("/v1/events/aws", "eventbridge/karpenter-health-scheduled-change.json",
+     "i-0cafe0000000000b2", 200,
+     [expect("reclaim", "i-0cafe0000000000b2",
+             "5b0e8a3c-6f1d-4c2a-9e7b-2d4f6a8c0e13/i-0cafe0000000000b2", kind="scheduled")]),
     ("/v1/events/aws", "eventbridge/aws-docs-capacity-reservation-interruption.json",
      "i-1234567890abcdef0", 200,
      [expect("reclaim", "i-1234567890abcdef0", "12345678-1234-1234-1234-123456789012",
@@ -112,7 +118,7 @@ CORPUS: list[tuple[str, str, str, int, list[dict[str, Any]]]] = [
     ("/v1/events/kubernetes", "nth/queue-rebalance-recommendation.json", NODE, 200,
      [expect("reclaim", NODE, "5d5555d5-dd55-5555-5555-5555dd55d55d", kind="rebalance")]),
     ("/v1/events/kubernetes", "nth/queue-health-scheduled-change.json", "i-12345678", 200,
-     [expect("reclaim", "i-12345678", f"{HEALTH_ID}/i-12345678", kind="rebalance")]),
+     [expect("reclaim", "i-12345678", f"{HEALTH_ID}/i-12345678", kind="scheduled")]),
     ("/v1/events/kubernetes", "nth/queue-state-change-stopping.json", "i-abcd1111", 200,
      [expect("node_lost", "i-abcd1111", "7bf73129-1428-4cd3-a780-95db273d1602")]),
     # IMDS mode: StartTime is the termination time itself
@@ -122,7 +128,8 @@ CORPUS: list[tuple[str, str, str, int, list[dict[str, Any]]]] = [
      [expect("reclaim", NODE, load("nth/imds-rebalance-recommendation.json")["EventID"],
              kind="rebalance")]),
     ("/v1/events/kubernetes", "nth/imds-scheduled-event.json", NODE, 200,
-     [expect("reclaim", NODE, "instance-event-0d59937288b749b32", kind="rebalance")]),
+     [expect("reclaim", NODE, "instance-event-0d59937288b749b32", "2019-10-29T20:10:00Z",
+             kind="scheduled")]),
 ]  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -110,7 +111,7 @@ class PlainReclaim(BaseModel):
     instance_id: NodeId
     event_id: EventId
     deadline: Instant | None = None
-    kind: Literal["interruption", "rebalance"] = "interruption"
+    kind: Literal["interruption", "rebalance", "scheduled"] = "interruption"
     lost: bool = False
 
 
@@ -148,6 +149,29 @@ class HealthDetail(BaseModel):
     service: str | None = None
     category: str | None = Field(None, alias="eventTypeCategory")
     entities: list[dict[str, Any]] = Field(default_factory=list, alias="affectedEntities")
+    start: Any = Field(None, alias="startTime")
+
+
+def health_start(value: Any) -> datetime | None:
+    """A Health event's `startTime`, when the scheduled change begins: EventBridge writes it
+    as RFC 1123 ("Sat, 05 Jun 2016 15:10:09 GMT"); ISO 8601 is read too. None when absent
+    or unreadable (senders such as Karpenter's tests leave it out): the change is no less
+    certain, only undated, so it is never a reason to refuse the event."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        try:
+            when = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if when.tzinfo is None:
+        return None
+    try:
+        return _sane_time(when)
+    except ValueError:
+        return None
 
 
 # The states in which an instance can no longer run its rank: the set aws-node-termination-
@@ -212,14 +236,21 @@ def parse_aws(obj: Any) -> list[Outcome]:
 
 
 def _early_warning(node_id: str, event_id: str) -> ReclaimNotice:
-    """Rebalance recommendations and scheduled changes: no deadline (the instance is not
-    being taken yet); a job acts per `elastic.early_warning`."""
+    """Rebalance recommendations: no deadline (the instance is not being taken yet, and may
+    never be); a job acts per `elastic.early_warning`."""
     return ReclaimNotice(node_id=node_id, event_id=event_id, kind="rebalance")
 
 
+def _scheduled(node_id: str, event_id: str, start: datetime | None) -> ReclaimNotice:
+    """A scheduled change (retirement, stop, reboot, maintenance): certain, due at its start
+    (None: not given); an early warning a job acts on per `elastic.early_warning`, which
+    make_before_break's rule weighs as certain."""
+    return ReclaimNotice(node_id=node_id, event_id=event_id, deadline=start, kind="scheduled")
+
+
 def _health(event: AwsEvent) -> list[Outcome]:
-    """AWS Health scheduled changes for EC2 (retirement, maintenance): an early warning for
-    each affected instance, as NTH and Karpenter treat them."""
+    """AWS Health scheduled changes for EC2 (retirement, stop, reboot, maintenance): a
+    scheduled change for each affected instance, due at the event's `startTime`."""
     detail = _validate(HealthDetail, event.detail)
     if detail.service != "EC2" or detail.category != "scheduledChange":
         return [Ignored(reason="AWS Health event not an EC2 scheduled change")]
@@ -227,17 +258,18 @@ def _health(event: AwsEvent) -> list[Outcome]:
     instances = [i for i in ids if isinstance(i, str) and INSTANCE_ID.fullmatch(i)]
     if not instances:
         return [Ignored(reason="AWS Health event names no instance")]
-    return [_early_warning(i, health_event_id(event.id, i)) for i in instances]
+    start = health_start(detail.start)
+    return [_scheduled(i, health_event_id(event.id, i), start) for i in instances]
 
 
 # --- aws-node-termination-handler: POST /v1/events/kubernetes ------------------------------
 
-# NTH's `Kind`s. A scheduled event (IMDS) or AWS Health scheduled change (queue) is an early
-# warning, like a rebalance recommendation; ASG lifecycle hooks and the rest are not reclaims.
-NTH_KINDS: dict[str, Literal["interruption", "rebalance", "lost"]] = {
+# NTH's `Kind`s. A scheduled event (IMDS) or AWS Health scheduled change (queue) is a
+# scheduled change; ASG lifecycle hooks and the rest are not reclaims.
+NTH_KINDS: dict[str, Literal["interruption", "rebalance", "scheduled", "lost"]] = {
     "SPOT_ITN": "interruption",
     "REBALANCE_RECOMMENDATION": "rebalance",
-    "SCHEDULED_EVENT": "rebalance",
+    "SCHEDULED_EVENT": "scheduled",
     "STATE_CHANGE": "lost",
 }
 
@@ -334,5 +366,7 @@ def parse_kubernetes(obj: Any) -> list[Outcome]:
         return [NodeLost(node_id=node_id, event_id=event_id)]
     if action == "rebalance":
         return [_early_warning(node_id, event_id)]
+    if action == "scheduled":  # IMDS: StartTime is the event's NotBefore; queue: NTH's now
+        return [_scheduled(node_id, event_id, None if from_queue else notice.start_time)]
     deadline = _deadline(notice, from_queue)
     return [ReclaimNotice(node_id=node_id, deadline=deadline, event_id=event_id)]

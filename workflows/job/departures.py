@@ -31,6 +31,8 @@ class Departures:
             return  # unknown or already gone: nothing to do, never a crash
         if plan.action == "ignore rebalance":
             s.record(workflow.now(), "rebalance recommendation ignored", node.node_id or "")
+        elif plan.action == "ignore scheduled":
+            s.record(workflow.now(), "scheduled change ignored", node.node_id or "")
         elif plan.action == "gone":
             await self.gone(node, "reclaimed")
         elif plan.action == "lost":

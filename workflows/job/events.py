@@ -18,12 +18,17 @@ from spotrain.workflows.contract import PoolGrant
 
 class Reclaim(BaseModel):
     """The cloud will take `node_id` at `deadline` (None: now or unknown). A rebalance is an
-    early warning the job acts on only if its policy says so."""
+    early warning the job acts on only if its policy says so; a scheduled change (retirement,
+    stop, reboot, maintenance) is an early warning that is certain, due at `deadline`."""
 
-    kind: Literal["reclaim", "rebalance"] = "reclaim"
+    kind: Literal["reclaim", "rebalance", "scheduled"] = "reclaim"
     node_id: str
     deadline: datetime | None = None
     shrink: bool = False  # its make-before-break replacement is late: shrink as usual
+
+
+# The early warnings: a job acts on them per `elastic.early_warning`, not `reclaim_notice`.
+WARNINGS = ("rebalance", "scheduled")
 
 
 class Lost(BaseModel):

@@ -349,7 +349,7 @@ def growth_timer(state: JobState) -> tuple[datetime | None, datetime | None]:
 
 # --- events ------------------------------------------------------------------------------------
 
-ReclaimAction = Literal["ignore", "ignore rebalance", "gone", "lost", "resize"]
+ReclaimAction = Literal["ignore", "ignore rebalance", "ignore scheduled", "gone", "lost", "resize"]
 
 
 @dataclass(frozen=True)
@@ -361,7 +361,8 @@ class ReclaimPlan:
 
 
 def reclaim_plan(state: JobState, event: Reclaim, now: datetime) -> ReclaimPlan:
-    """A notice: ignore it (unknown or gone node, or an unwanted rebalance), book a node that
+    """A notice: ignore it (unknown or gone node, an unwanted rebalance, a scheduled change
+    with `early_warning: ignore`), book a node that
     does not train as gone, treat one with no time left as lost, or checkpoint within the
     notice and shrink, taking every member already reclaimed or lost with it (one resize)."""
     node = state.node_by_id(event.node_id)
@@ -369,6 +370,8 @@ def reclaim_plan(state: JobState, event: Reclaim, now: datetime) -> ReclaimPlan:
         return ReclaimPlan("ignore")
     if event.kind == "rebalance" and state.spec.elastic.warning_policy != "shrink":
         return ReclaimPlan("ignore rebalance")
+    if event.kind == "scheduled" and state.spec.elastic.warning_policy == "ignore":
+        return ReclaimPlan("ignore scheduled")  # (make_before_break passing it: shrink)
     timeout = state.spec.elastic.graceful_shutdown_timeout_s
     left = None if event.deadline is None else (event.deadline - now).total_seconds()
     grace = planner.grace_for_notice(

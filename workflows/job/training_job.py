@@ -137,7 +137,7 @@ class TrainingJob:
         if self.s and self.s.remember(notice.event_id):
             self.s.inbox.append(
                 events.Reclaim(
-                    kind="rebalance" if notice.kind == "rebalance" else "reclaim",
+                    kind="reclaim" if notice.kind == "interruption" else notice.kind,
                     node_id=notice.node_id,
                     deadline=notice.deadline,
                 )

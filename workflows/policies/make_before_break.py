@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from spotrain.workflows.contract import Offer
-from spotrain.workflows.job.events import Reclaim
+from spotrain.workflows.job.events import WARNINGS, Reclaim
 from spotrain.workflows.job.planner import grace_for_notice
 from spotrain.workflows.job.state import JobState, NodeRecord, NodeState, Swap
 
@@ -105,7 +105,7 @@ class WarningPlan:
 
 def on_notice(state: JobState, event: Reclaim, now: datetime) -> WarningPlan:
     e = state.spec.elastic
-    policy = e.warning_policy if event.kind == "rebalance" else e.reclaim_notice
+    policy = e.warning_policy if event.kind in WARNINGS else e.reclaim_notice
     node = state.node_by_id(event.node_id)
     open_swaps = pending(state)
     known = next((w for w in open_swaps if w.node_id == event.node_id), None)
@@ -115,7 +115,10 @@ def on_notice(state: JobState, event: Reclaim, now: datetime) -> WarningPlan:
         return WarningPlan("pass", others if event.shrink else open_swaps)
     name = event.node_id
     unclaimed = len(spares(state)) > len(open_swaps)
-    if event.kind == "reclaim":
+    # A scheduled change has its own deadline (its start time): the swap must beat it as a
+    # notice's must, and a late replacement shrinks before it.
+    dated = event.kind == "reclaim" or (event.kind == "scheduled" and event.deadline is not None)
+    if dated:
         left = None if event.deadline is None else (event.deadline - now).total_seconds()
         timeout = e.graceful_shutdown_timeout_s
         if (
@@ -133,7 +136,7 @@ def on_notice(state: JobState, event: Reclaim, now: datetime) -> WarningPlan:
     room = held_cap(state) - wanted(state) >= 1 or unclaimed
     if not room and event.kind == "reclaim":
         return WarningPlan("pass", open_swaps)  # no room for the overlap: shrink
-    deadline = event.deadline if event.kind == "reclaim" else None
+    deadline = event.deadline if dated else None
     swaps = [*open_swaps, Swap(node_id=name, deadline=deadline, since=now)]
     if not room:  # `wanted` orders it once a swap or a loss makes room
         return WarningPlan("no room", swaps, f"{name}: holding {held_cap(state)} node(s) already")

@@ -72,17 +72,18 @@ class Swapper:
         return True
 
     def _worth_it(self, event: events.Reclaim, action: str) -> bool:
-        """A new rebalance recommendation gets a replacement only if `warning_rule` says its
-        expected gain beats its surge cost (histories from before the rule replay as they
-        ran: every warning acted on)."""
+        """A new early warning gets a replacement only if `warning_rule` says its expected
+        gain beats its surge cost, a scheduled change taken as certain (histories from before
+        the rule replay as they ran: every warning acted on)."""
         node = self.s.node_by_id(event.node_id)
-        if event.kind != "rebalance" or action not in ("order", "no room") or node is None:
+        if event.kind not in events.WARNINGS or action not in ("order", "no room") or node is None:
             return True
-        verdict = warning_rule.worth_acting(self.s, node)
+        verdict = warning_rule.worth_acting(self.s, node, certain=event.kind == "scheduled")
         if verdict.act or not workflow.patched(RULE_PATCH):
             return True
         why = f"{event.node_id}: {verdict.describe()}"
-        self.s.record(workflow.now(), "rebalance recommendation not worth a replacement", why)
+        what = "rebalance recommendation" if event.kind == "rebalance" else "scheduled change"
+        self.s.record(workflow.now(), f"{what} not worth a replacement", why)
         return False
 
     def _shrink_now(self, swaps: list[Swap]) -> None:

@@ -18,12 +18,16 @@ the gain is one pause, the cost a pause plus a boot); it takes a fleet whose war
 reliable (p well above one half) and a notice path that shrinks. Time is not in it: while a
 replacement boots the job trains one node short, which delays it but wastes no node-hour.
 
+A scheduled change (an AWS Health scheduledChange or an EC2 scheduled event: retirement, stop,
+reboot, maintenance) is not a guess: it comes at its start time, so it is weighed with p = 1
+and no later notice to swap on, and the rule acts on it whenever a resize costs anything.
+
 Pure: the workflow's `Swapper` asks, and applies the verdict behind a patch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spotrain.workflows.job import job_planner
 from spotrain.workflows.job.state import JobState, NodeRecord
@@ -86,10 +90,19 @@ def case_for(state: JobState, node: NodeRecord) -> Case:
     )
 
 
-def worth_acting(state: JobState, node: NodeRecord) -> Verdict:
-    """The verdict on a rebalance recommendation for `node` (`elastic.warning_rule: always`:
-    act, whatever the figures)."""
-    verdict = weigh(case_for(state, node))
+def as_certain(case: Case) -> Case:
+    """A scheduled change (retirement, stop, reboot, maintenance) comes for sure (p = 1), and
+    no reclaim notice follows it to swap later: at its start the node just goes (a loss, then
+    a growth), so acting avoids at least one resize and pays no false positive."""
+    return replace(case, p=1.0, notice_swaps=False)
+
+
+def worth_acting(state: JobState, node: NodeRecord, certain: bool = False) -> Verdict:
+    """The verdict on an early warning for `node`, a rebalance recommendation or, with
+    `certain`, a scheduled change (`elastic.warning_rule: always`: act, whatever the
+    figures)."""
+    case = case_for(state, node)
+    verdict = weigh(as_certain(case) if certain else case)
     if state.spec.elastic.warning_rule == "always":
         return Verdict(True, verdict.gain_usd, verdict.cost_usd)
     return verdict
