@@ -18,7 +18,7 @@ from .common import REPO
 
 RESULTS = REPO / "bench" / "results"
 LIVE_KINDS = {"growth": "growth", "shrink on notice": "shrink", "loss without notice": "loss"}
-# live_resize.json's live medians (s), bench/README.md's 2026-11-24 table, without the file
+# live_resize.json's live medians (s) as measured on 2026-11-24, when the file is absent
 LIVE_MEDIANS = {"growth": 0.180, "shrink": 0.266, "loss": 0.263}
 # bench.handover's medians without its file: (state GB, s), 10M and 100M params, 1 survivor
 # (`--params 10 100 --survivors 1 --repeats 3`, 2026-11-25, load average 3.3)

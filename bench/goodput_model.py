@@ -117,7 +117,7 @@ class Setup:
 def measured_checkpoint_s() -> float:
     """The checkpoint on notice's default duration: bench/checkpoint.py's median time to
     durable of a synchronous save to S3 (what a checkpoint on notice is), from its latest
-    results; 11.2 s, that figure in bench/README.md, without them."""
+    results; 11.2 s, its figure of 2026-11-24, without them."""
     path = REPO / "bench" / "results" / "checkpoint.json"
     if path.exists():
         for row in json.loads(path.read_text())["rows"]:
