@@ -4,6 +4,7 @@ server, killed and restarted at will; a TrainingJob resource of the simulated jo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from tests.jobs import fast_spec
 from tests.k8s_cluster import ROOT, ControlPlane
 from tests.kubectl import Kubectl
 
+NS = "team-a"  # where the tests' TrainingJobs live
 CRASHED = 3  # workers/operator.py's crash_point exit status
 COMMAND = [sys.executable, "-m", "spotrain.workers.operator"]
 
@@ -116,3 +118,23 @@ async def wait_for(check: Callable[[], Any], what: str, timeout: float = 60) -> 
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.2)
     return found
+
+
+def resource(kubectl: Kubectl, name: str, kind: str = "trainingjob") -> dict | None:
+    done = kubectl("get", "-n", NS, f"{kind}/{name}", "-o", "json", check=False)
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def status(kubectl: Kubectl, name: str) -> dict:
+    return (resource(kubectl, name) or {}).get("status") or {}
+
+
+def outcome(kubectl: Kubectl, name: str, kind: str) -> str | None:
+    """A ScaleIn's or ScaleOut's final phase (None while it has none)."""
+    phase = ((resource(kubectl, name, kind) or {}).get("status") or {}).get("phase")
+    return phase if phase in ("Succeeded", "Failed") else None
+
+
+def events(kubectl: Kubectl, name: str) -> list[dict]:
+    found = kubectl.json("get", "events", "-n", NS, f"--field-selector=involvedObject.name={name}")
+    return found["items"]

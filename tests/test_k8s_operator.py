@@ -6,7 +6,6 @@ is released. The worker runs the workflow with the simulated cloud and job (test
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -27,32 +26,20 @@ from tests.k8s_cluster import ControlPlane
 from tests.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kubectl import Kubectl
 from tests.kubectl import kubectl_fixture as kubectl_fixture
-from tests.operator_support import operator, training_job, wait_for
+from tests.operator_support import (
+    NS,
+    events,
+    operator,
+    outcome,
+    resource,
+    status,
+    training_job,
+    wait_for,
+)
 from tests.test_workflow_scenarios import in_seconds
 
-NS = "team-a"
 RUNNING = WorkflowExecutionStatus.RUNNING
 CONTINUED = WorkflowExecutionStatus.CONTINUED_AS_NEW
-
-
-def resource(kubectl: Kubectl, name: str, kind: str = "trainingjob") -> dict | None:
-    done = kubectl("get", "-n", NS, f"{kind}/{name}", "-o", "json", check=False)
-    return json.loads(done.stdout) if done.returncode == 0 else None
-
-
-def status(kubectl: Kubectl, name: str) -> dict:
-    return (resource(kubectl, name) or {}).get("status") or {}
-
-
-def outcome(kubectl: Kubectl, name: str, kind: str) -> str | None:
-    """A ScaleIn's or ScaleOut's final phase (None while it has none)."""
-    phase = ((resource(kubectl, name, kind) or {}).get("status") or {}).get("phase")
-    return phase if phase in ("Succeeded", "Failed") else None
-
-
-def events(kubectl: Kubectl, name: str) -> list[dict]:
-    found = kubectl.json("get", "events", "-n", NS, f"--field-selector=involvedObject.name={name}")
-    return found["items"]
 
 
 async def test_operator_killed_at_every_step(
