@@ -6,7 +6,7 @@
 #      with venv) -> a rootfs tarball -> one layer committed with buildah;
 #   2. `buildah bud` of the Dockerfile on that base (chroot isolation: no runc, no daemon),
 #      PYTHON_IMAGE pointing at it by digest;
-#   3. the image written as an OCI layout, unpacked with umoci, and its command run in a
+#   3. the image written as an OCI layout, its rootfs unpacked with umoci, its command run in a
 #      chroot as the image's user, from its working directory, with its environment:
 #      `spotrain --help` and the operator's `--help` must answer.
 #
@@ -21,6 +21,7 @@
 #                   re-signs TLS); bind-mounted for the build only, never put in the image
 #   SPOTRAIN_IMAGE_WORK  buildah's storage and the base tarball (default ~/.cache/spotrain/image)
 #   STORAGE_DRIVER  overlay (default) or vfs where overlay mounts are refused
+#   SPOTRAIN_IMAGE_SOURCES  the base's apt sources (default: this Debian machine's deb822 file)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 work=${SPOTRAIN_IMAGE_WORK:-$HOME/.cache/spotrain/image}
@@ -32,12 +33,10 @@ B=(buildah --root "$work/storage" --runroot "$work/run" --storage-driver "${STOR
 
 # 1. the base, from Debian's packages (kept: rebuilt only when its tarball is removed)
 if [[ ! -s $work/base.tar ]]; then
-  mirror=http://deb.debian.org/debian
+  # the machine's own Debian sources (bookworm, its updates and security), as apt uses them
   mmdebstrap --mode=root --variant=minbase \
     --include=python3,python3-venv,python-is-python3,ca-certificates \
-    bookworm "$work/base.tar.part" \
-    "deb $mirror bookworm main" "deb $mirror bookworm-updates main" \
-    "deb http://deb.debian.org/debian-security bookworm-security main"
+    bookworm "$work/base.tar.part" "${SPOTRAIN_IMAGE_SOURCES:-/etc/apt/sources.list.d/debian.sources}"
   mv "$work/base.tar.part" "$work/base.tar"
   "${B[@]}" rmi -f "$base" >/dev/null 2>&1 || true
 fi
@@ -65,10 +64,11 @@ digest=$("${B[@]}" inspect --type image --format '{{.FromImageDigest}}' "$tag")
 echo "image $tag@$digest"
 
 # 3. an OCI layout, unpacked, its command run as the image says
-rm -rf "$out/oci" "$out/bundle"
+rm -rf "$out/oci" "$out/rootfs"
 "${B[@]}" push -q "$tag" "oci:$out/oci:0.1.0"
 skopeo inspect --config "oci:$out/oci:0.1.0" >"$out/config.json"
-umoci unpack --image "$out/oci:0.1.0" "$out/bundle" >/dev/null
+# (raw: the rootfs alone; a full unpack also hashes every file for an mtree, 3x slower)
+umoci raw unpack --image "$out/oci:0.1.0" "$out/rootfs"
 read -r user workdir cmd < <(python3 - "$out/config.json" <<'EOF'
 import json, shlex, sys
 c = json.load(open(sys.argv[1]))["config"]
@@ -77,7 +77,7 @@ EOF
 )
 mapfile -t env < <(python3 -c 'import json,sys; print(*json.load(open(sys.argv[1]))["config"]["Env"], sep="\n")' "$out/config.json")
 run() {  # a command in the image's rootfs, as its user, in its working directory
-  chroot --userspec="$user" "$out/bundle/rootfs" /usr/bin/env -i "${env[@]}" \
+  chroot --userspec="$user" "$out/rootfs" /usr/bin/env -i "${env[@]}" \
     /bin/sh -c "cd '$workdir' && exec $*"
 }
 run "$cmd" | tee "$out/help.txt" | head -n 3
