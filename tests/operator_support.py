@@ -10,16 +10,21 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client
+from temporalio.worker import Worker
 
+from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.k8s_crd import API_VERSION
 from spotrain.workers.stack import _die_with_parent as die_with_parent
-from tests.jobs import fast_spec
+from spotrain.workers.worker import workflow_worker
+from tests.jobs import fast_runtime, fast_spec
 from tests.k8s_cluster import ROOT, ControlPlane
 from tests.kubectl import Kubectl
 
@@ -96,6 +101,23 @@ def operator(
         yield op
     finally:
         op.kill()
+
+
+@contextmanager
+def operator_with_simulated_worker(
+    plane: ControlPlane, kubectl: Kubectl, temporal: Client, logs: Path
+) -> Iterator[tuple[OperatorProcess, SimulatedCloud, Callable[[], Worker]]]:
+    """`operator(...)`, the simulated cloud, and a factory of workers running the TrainingJob
+    workflow with that cloud and the fast simulated ranks on the operator's queue (a test
+    starts and stops them: `async with worker(): ...`)."""
+    cloud, runtime, queue = SimulatedCloud(), fast_runtime(), uuid.uuid4().hex
+    with operator(plane, kubectl, temporal, queue, logs) as op, ThreadPoolExecutor(16) as pool:
+
+        def worker() -> Worker:
+            activities = cloud.activities() + runtime.activities()
+            return workflow_worker(temporal, queue, activities, activity_executor=pool)
+
+        yield op, cloud, worker
 
 
 def training_job(name: str, replicas: int, **elastic: Any) -> dict[str, Any]:

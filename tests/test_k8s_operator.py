@@ -6,22 +6,16 @@ is released. The worker runs the workflow with the simulated cloud and job (test
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
-from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.k8s_crd import API_VERSION, FINALIZER
 from spotrain.workers.operator import HOLDING
 from spotrain.workers.operator_status import workflow_id
-from spotrain.workers.worker import workflow_worker
-from tests.jobs import fast_runtime
 from tests.k8s_cluster import ControlPlane
 from tests.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kubectl import Kubectl
@@ -29,7 +23,7 @@ from tests.kubectl import kubectl_fixture as kubectl_fixture
 from tests.operator_support import (
     NS,
     events,
-    operator,
+    operator_with_simulated_worker,
     outcome,
     resource,
     status,
@@ -46,16 +40,11 @@ async def test_operator_killed_at_every_step(
     dev_env: WorkflowEnvironment, control_plane: ControlPlane, kubectl: Kubectl, tmp_path: Path
 ) -> None:
     control_plane.ensure_namespace(NS)
-    cloud, runtime, queue = SimulatedCloud(), fast_runtime(), uuid.uuid4().hex
-    with (
-        operator(control_plane, kubectl, dev_env.client, queue, tmp_path) as op,
-        ThreadPoolExecutor(16) as pool,
+    with operator_with_simulated_worker(control_plane, kubectl, dev_env.client, tmp_path) as (
+        op,
+        cloud,
+        worker,
     ):
-
-        def worker() -> Worker:
-            activities = cloud.activities() + runtime.activities()
-            return workflow_worker(dev_env.client, queue, activities, activity_executor=pool)
-
         async with worker():
             job = training_job("mnist", 2, min_nodes=1, max_nodes=6)
             kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(job))

@@ -23,8 +23,6 @@ import yaml
 from kubernetes import client, watch
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.kube import KubeRuntime
-from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.k8s_crd import API_VERSION, GROUP, VERSION
 from spotrain.workers.operator_status import job_name
 from spotrain.workers.worker import workflow_worker
@@ -35,7 +33,8 @@ from tests.k8s_cluster import (  # noqa: F401 (the fixtures)
     cluster_fixture,
     control_plane_fixture,
 )
-from tests.kube_kubelet import LocalKubelet, node_name, nodes_follow_instances
+from tests.kube_kubelet import node_name, nodes_follow_instances
+from tests.kube_support import job_on_kubernetes
 from tests.kubectl import Kubectl
 from tests.kubectl import kubectl_fixture as kubectl_fixture
 from tests.operator_support import NS, operator, resource, status, wait_for
@@ -89,11 +88,7 @@ async def test_kubectl_drives_a_training_job_on_kubernetes(
 ) -> None:
     (tmp_path / "worker.py").write_text(WORKER)
     cluster.ensure_namespace(NS)
-    core = client.CoreV1Api(cluster.admin)
-    worker_sa = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
-    runtime = KubeRuntime(NAMESPACE, worker_sa, gang_timeout_s=60, watch_s=1, ack_poll_s=0.1)
-    cloud = SimulatedCloud(zones=["us-east-1a"])
-    kubelet = LocalKubelet(core, NAMESPACE, tmp_path / "kubelet")
+    core, runtime, cloud, kubelet = job_on_kubernetes(cluster, tmp_path / "kubelet")
     queue = uuid.uuid4().hex
     with (
         operator(cluster, kubectl, dev_env.client, queue, tmp_path) as op,

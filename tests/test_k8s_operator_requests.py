@@ -9,25 +9,29 @@ server and the TrainingJob workflow; the cloud and the ranks are simulated (test
 
 from __future__ import annotations
 
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import yaml
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.k8s_crd import API_VERSION
 from spotrain.workers.operator_status import workflow_id
-from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.state import JobStatus, TimelineEntry
-from tests.jobs import continue_as_new_now, fast_runtime
+from tests.jobs import continue_as_new_now
 from tests.k8s_cluster import ControlPlane
 from tests.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kubectl import Kubectl
 from tests.kubectl import kubectl_fixture as kubectl_fixture
-from tests.operator_support import NS, operator, outcome, resource, status, training_job, wait_for
+from tests.operator_support import (
+    NS,
+    operator_with_simulated_worker,
+    outcome,
+    resource,
+    status,
+    training_job,
+    wait_for,
+)
 
 JOB = "resized"
 
@@ -46,17 +50,16 @@ async def test_operator_killed_around_each_resize_across_continue_as_new(
     dev_env: WorkflowEnvironment, control_plane: ControlPlane, kubectl: Kubectl, tmp_path: Path
 ) -> None:
     control_plane.ensure_namespace(NS)
-    cloud, runtime, queue = SimulatedCloud(), fast_runtime(), uuid.uuid4().hex
-    with (
-        operator(control_plane, kubectl, dev_env.client, queue, tmp_path) as op,
-        ThreadPoolExecutor(16) as pool,
+    with operator_with_simulated_worker(control_plane, kubectl, dev_env.client, tmp_path) as (
+        op,
+        cloud,
+        worker,
     ):
-        activities = cloud.activities() + runtime.activities()
-        async with workflow_worker(dev_env.client, queue, activities, activity_executor=pool):
+        async with worker():
             job = training_job(JOB, 3, min_nodes=1, max_nodes=6)
             kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(job))
             with op.running():
-                await wait_for(lambda: status(kubectl, JOB).get("replicas") == 3, "3 nodes")
+                await wait_for(lambda: status(kubectl, JOB).get("replicas") == 3, "3 nodes", 120)
             uid = resource(kubectl, JOB)["metadata"]["uid"]
             handle = dev_env.client.get_workflow_handle(workflow_id(NS, JOB, uid))
 
@@ -76,10 +79,11 @@ async def test_operator_killed_around_each_resize_across_continue_as_new(
                 assert outcome(kubectl, name, kind) is None and await target() == size
                 await continue_as_new_now(handle)
                 with op.running():
-                    done = await wait_for(lambda n=name, k=kind: outcome(kubectl, n, k), kind)
+                    done = await wait_for(lambda n=name, k=kind: outcome(kubectl, n, k), kind, 120)
                     shown = await wait_for(
                         lambda n=size: (s := status(kubectl, JOB)).get("replicas") == n and s,
                         f"{size} nodes",
+                        120,
                     )
                 message = resource(kubectl, name, kind)["status"]["message"]
                 assert done == "Succeeded" and message.startswith(said), message
@@ -90,7 +94,7 @@ async def test_operator_killed_around_each_resize_across_continue_as_new(
             await op.crash_at("scale-sent")
             await continue_as_new_now(handle)
             with op.running():
-                await wait_for(lambda: status(kubectl, JOB).get("replicas") == 5, "5 nodes")
+                await wait_for(lambda: status(kubectl, JOB).get("replicas") == 5, "5 nodes", 120)
                 assert await target() == 5
                 kubectl("delete", "-n", NS, f"trainingjob/{JOB}", "--wait=false")
                 await wait_for(lambda: resource(kubectl, JOB) is None, "the resource gone", 90)
