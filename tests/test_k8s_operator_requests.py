@@ -9,6 +9,7 @@ server and the TrainingJob workflow; the cloud and the ranks are simulated (test
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.workers.k8s_crd import API_VERSION
 from spotrain.workers.operator_status import workflow_id
 from spotrain.workflows.state import JobStatus, TimelineEntry
-from tests.jobs import continue_as_new_now
+from tests.jobs import continue_as_new_now, polled
 from tests.k8s_cluster import ControlPlane
 from tests.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kubectl import Kubectl
@@ -34,6 +35,11 @@ from tests.operator_support import (
 )
 
 JOB = "resized"
+
+
+def moved(size: int) -> Callable[[JobStatus], bool]:
+    """The workflow's target is `size` (a queued resize moves it at the workflow's next turn)."""
+    return lambda s: s.target_nodes == size
 
 
 def request(kind: str, name: str, spec: dict[str, Any]) -> str:
@@ -76,7 +82,8 @@ async def test_operator_killed_around_each_resize_across_continue_as_new(
                 await op.crash_at(f"{kind.lower()}-pending")  # seen, not acted on
                 assert outcome(kubectl, name, kind) is None and await target() == before
                 await op.crash_at(f"{kind.lower()}-sent")  # acted on, outcome unwritten
-                assert outcome(kubectl, name, kind) is None and await target() == size
+                assert outcome(kubectl, name, kind) is None
+                await polled(lambda: handle.query("status", result_type=JobStatus), moved(size))
                 await continue_as_new_now(handle)
                 with op.running():
                     done = await wait_for(lambda n=name, k=kind: outcome(kubectl, n, k), kind, 120)
