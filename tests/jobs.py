@@ -21,6 +21,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workers.worker import workflow_worker
+from spotrain.workflows import history
 from spotrain.workflows.capacity.pool import PoolConfig, pool_workflow_id
 from spotrain.workflows.job.state import JobResult, JobStatus
 
@@ -213,3 +214,22 @@ async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
     for i, run in enumerate(sorted(runs, key=lambda r: r.start_time)):
         history = await client.get_workflow_handle(handle.id, run_id=run.run_id).fetch_history()
         (HISTORIES / f"{name}-run{i + 1}.json").write_text(history.to_json())
+
+
+async def continue_as_new_now(handle: WorkflowHandle[Any, Any], timeout: float = 60) -> str:
+    """Make the job's run continue as new at its next turn (as a long history does) and
+    return the new run's id. The worker must run in this process: its workflows read the
+    bound from the very module this lowers (spotrain's modules pass through the sandbox)."""
+    latest = handle._client.get_workflow_handle(handle.id)
+    before = (await latest.describe()).run_id
+    saved = history.HISTORY_EVENTS_BEFORE_CONTINUE
+    history.HISTORY_EVENTS_BEFORE_CONTINUE = 0
+    try:
+        deadline = time.monotonic() + timeout
+        while (now := (await latest.describe()).run_id) == before:
+            assert time.monotonic() < deadline, "the run did not continue as new"
+            await asyncio.sleep(0.05)
+    finally:
+        history.HISTORY_EVENTS_BEFORE_CONTINUE = saved
+    assert now is not None
+    return now

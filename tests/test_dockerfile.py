@@ -75,3 +75,18 @@ def test_install_step_on_the_copied_files(tmp_path: Path) -> None:
     )  # fmt: skip
     assert "--task-queue" in help_.stdout, help_.stderr
     assert (site / "bin/spotrain").exists()  # the console script the manifests run
+
+
+def test_the_daemonless_build_makes_the_image_the_manifests_name() -> None:
+    """infra/image/build.sh (buildah on a Debian base; too slow for the suite: it installs
+    torch, minutes and gigabytes) builds this Dockerfile under the tag every manifest runs."""
+    script = (ROOT / "infra/image/build.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "infra/image/build.sh")], check=True)
+    tag = re.search(r"^tag=(\S+)$", script, re.M)
+    assert tag and "-f Dockerfile" in script and "--isolation chroot" in script
+    named = set()
+    for manifest in ("operator", "worker", "webhook"):
+        for doc in yaml.safe_load_all((ROOT / f"infra/k8s/{manifest}.yaml").read_text()):
+            if doc and doc.get("kind") == "Deployment":
+                named |= {c["image"] for c in doc["spec"]["template"]["spec"]["containers"]}
+    assert named == {tag[1]}

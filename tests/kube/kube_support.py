@@ -16,11 +16,12 @@ from kubernetes import client
 from temporalio.testing import ActivityEnvironment
 
 from spotrain.activities.kube import KubeRuntime
+from spotrain.activities.simulated import SimulatedCloud
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import GenerationPlan, Member, StopRequest, WatchRequest
 from tests.kube.k8s_cluster import NAMESPACE as NS
 from tests.kube.k8s_cluster import ControlPlane, Request
-from tests.kube.kube_kubelet import finish_pod
+from tests.kube.kube_kubelet import LocalKubelet, finish_pod
 
 JOB = "mnist"
 NODES = {"ip-10-0-0-1": "i-0aaa", "ip-10-0-0-2": "i-0bbb", "ip-10-0-0-3": "i-0ccc"}
@@ -160,3 +161,15 @@ def watch_request(ckpt: str, report_after_s: float = 20) -> WatchRequest:
 @pytest.fixture(name="rbac")
 def rbac_fixture(cluster: ControlPlane) -> client.RbacAuthorizationV1Api:
     return client.RbacAuthorizationV1Api(cluster.admin)
+
+
+def job_on_kubernetes(
+    cluster: ControlPlane, root: Path
+) -> tuple[client.CoreV1Api, KubeRuntime, SimulatedCloud, LocalKubelet]:
+    """A whole job's parts on the Kubernetes runtime: the admin's API (to look), the runtime as
+    the worker's ServiceAccount, a one-zone simulated cloud (its instances join as nodes with
+    tests/kube_kubelet.py's `nodes_follow_instances`) and the stand-in kubelet under `root`."""
+    core = client.CoreV1Api(cluster.admin)
+    worker_sa = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+    runtime = KubeRuntime(NS, worker_sa, gang_timeout_s=60, watch_s=1, ack_poll_s=0.1)
+    return core, runtime, SimulatedCloud(zones=["us-east-1a"]), LocalKubelet(core, NS, root)

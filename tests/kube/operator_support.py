@@ -4,24 +4,31 @@ server, killed and restarted at will; a TrainingJob resource of the simulated jo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client
+from temporalio.worker import Worker
 
+from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.embedded.stack import _die_with_parent as die_with_parent
 from spotrain.workers.k8s.crd import API_VERSION
-from tests.jobs import fast_spec
+from spotrain.workers.worker import workflow_worker
+from tests.jobs import fast_runtime, fast_spec
 from tests.kube.k8s_cluster import ROOT, ControlPlane
 from tests.kube.kubectl import Kubectl
 
+NS = "team-a"  # where the tests' TrainingJobs live
 CRASHED = 3  # workers/k8s/operator.py's crash_point exit status
 COMMAND = [sys.executable, "-m", "spotrain.workers.k8s.operator"]
 
@@ -96,6 +103,23 @@ def operator(
         op.kill()
 
 
+@contextmanager
+def operator_with_simulated_worker(
+    plane: ControlPlane, kubectl: Kubectl, temporal: Client, logs: Path
+) -> Iterator[tuple[OperatorProcess, SimulatedCloud, Callable[[], Worker]]]:
+    """`operator(...)`, the simulated cloud, and a factory of workers running the TrainingJob
+    workflow with that cloud and the fast simulated ranks on the operator's queue (a test
+    starts and stops them: `async with worker(): ...`)."""
+    cloud, runtime, queue = SimulatedCloud(), fast_runtime(), uuid.uuid4().hex
+    with operator(plane, kubectl, temporal, queue, logs) as op, ThreadPoolExecutor(16) as pool:
+
+        def worker() -> Worker:
+            activities = cloud.activities() + runtime.activities()
+            return workflow_worker(temporal, queue, activities, activity_executor=pool)
+
+        yield op, cloud, worker
+
+
 def training_job(name: str, replicas: int, **elastic: Any) -> dict[str, Any]:
     """A TrainingJob of the simulated job (tests/jobs.py's fast spec: seconds, not minutes)."""
     # opportunistic off: the target moves only when kubectl moves it (or a reclaim shrinks it)
@@ -116,3 +140,23 @@ async def wait_for(check: Callable[[], Any], what: str, timeout: float = 60) -> 
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.2)
     return found
+
+
+def resource(kubectl: Kubectl, name: str, kind: str = "trainingjob") -> dict | None:
+    done = kubectl("get", "-n", NS, f"{kind}/{name}", "-o", "json", check=False)
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def status(kubectl: Kubectl, name: str) -> dict:
+    return (resource(kubectl, name) or {}).get("status") or {}
+
+
+def outcome(kubectl: Kubectl, name: str, kind: str) -> str | None:
+    """A ScaleIn's or ScaleOut's final phase (None while it has none)."""
+    phase = ((resource(kubectl, name, kind) or {}).get("status") or {}).get("phase")
+    return phase if phase in ("Succeeded", "Failed") else None
+
+
+def events(kubectl: Kubectl, name: str) -> list[dict]:
+    found = kubectl.json("get", "events", "-n", NS, f"--field-selector=involvedObject.name={name}")
+    return found["items"]

@@ -6,69 +6,45 @@ is released. The worker runs the workflow with the simulated cloud and job (test
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
-from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.k8s.crd import API_VERSION, FINALIZER
 from spotrain.workers.k8s.operator import HOLDING
 from spotrain.workers.k8s.operator_status import workflow_id
-from spotrain.workers.worker import workflow_worker
-from tests.jobs import fast_runtime
 from tests.kube.k8s_cluster import ControlPlane
 from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
-from tests.kube.operator_support import operator, training_job, wait_for
+from tests.kube.operator_support import (
+    NS,
+    events,
+    operator_with_simulated_worker,
+    outcome,
+    resource,
+    status,
+    training_job,
+    wait_for,
+)
 from tests.workflows.test_workflow_scenarios import in_seconds
 
-NS = "team-a"
 RUNNING = WorkflowExecutionStatus.RUNNING
 CONTINUED = WorkflowExecutionStatus.CONTINUED_AS_NEW
-
-
-def resource(kubectl: Kubectl, name: str, kind: str = "trainingjob") -> dict | None:
-    done = kubectl("get", "-n", NS, f"{kind}/{name}", "-o", "json", check=False)
-    return json.loads(done.stdout) if done.returncode == 0 else None
-
-
-def status(kubectl: Kubectl, name: str) -> dict:
-    return (resource(kubectl, name) or {}).get("status") or {}
-
-
-def outcome(kubectl: Kubectl, name: str, kind: str) -> str | None:
-    """A ScaleIn's or ScaleOut's final phase (None while it has none)."""
-    phase = ((resource(kubectl, name, kind) or {}).get("status") or {}).get("phase")
-    return phase if phase in ("Succeeded", "Failed") else None
-
-
-def events(kubectl: Kubectl, name: str) -> list[dict]:
-    found = kubectl.json("get", "events", "-n", NS, f"--field-selector=involvedObject.name={name}")
-    return found["items"]
 
 
 async def test_operator_killed_at_every_step(
     dev_env: WorkflowEnvironment, control_plane: ControlPlane, kubectl: Kubectl, tmp_path: Path
 ) -> None:
     control_plane.ensure_namespace(NS)
-    cloud, runtime, queue = SimulatedCloud(), fast_runtime(), uuid.uuid4().hex
-    with (
-        operator(control_plane, kubectl, dev_env.client, queue, tmp_path) as op,
-        ThreadPoolExecutor(16) as pool,
+    with operator_with_simulated_worker(control_plane, kubectl, dev_env.client, tmp_path) as (
+        op,
+        cloud,
+        worker,
     ):
-
-        def worker() -> Worker:
-            activities = cloud.activities() + runtime.activities()
-            return workflow_worker(dev_env.client, queue, activities, activity_executor=pool)
-
         async with worker():
             job = training_job("mnist", 2, min_nodes=1, max_nodes=6)
             kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(job))

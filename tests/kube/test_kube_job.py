@@ -39,6 +39,7 @@ from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
     control_plane_fixture,
 )
 from tests.kube.kube_kubelet import LocalKubelet, node_name, nodes_follow_instances
+from tests.kube.kube_support import job_on_kubernetes
 from tests.workflows.test_workflow_scenarios import in_seconds, members
 
 
@@ -53,11 +54,7 @@ async def test_training_job_reclaimed_and_grown_on_kubernetes(
         total_steps=800,
     )
     spec["elastic"] |= {"min_nodes": 2, "max_nodes": 3, "graceful_shutdown_timeout_s": 10}
-    core = client.CoreV1Api(cluster.admin)
-    worker_sa = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
-    runtime = KubeRuntime(NAMESPACE, worker_sa, gang_timeout_s=60, watch_s=1, ack_poll_s=0.1)
-    cloud = SimulatedCloud(zones=["us-east-1a"])
-    kubelet = LocalKubelet(core, NAMESPACE, tmp_path / "kubelet")
+    core, runtime, cloud, kubelet = job_on_kubernetes(cluster, tmp_path / "kubelet")
     queue = uuid.uuid4().hex
     with (
         kubelet.serving(),

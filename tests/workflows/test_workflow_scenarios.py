@@ -32,7 +32,16 @@ from spotrain.workflows.contract import (
 )
 from spotrain.workflows.job.state import JobStatus
 from spotrain.workflows.spec import SpotPolicy
-from tests.jobs import fast_runtime, fast_spec, record_history, running_at, simulated, sizes, until
+from tests.jobs import (
+    continue_as_new_now,
+    fast_runtime,
+    fast_spec,
+    record_history,
+    running_at,
+    simulated,
+    sizes,
+    until,
+)
 
 Handle = WorkflowHandle[Any, Any]
 ONE_ZONE = {"zones": ["us-east-1a"]}
@@ -252,6 +261,32 @@ async def test_discrete_sizes_only(dev_env: WorkflowEnvironment) -> None:
         await handle.cancel()
     assert status.world_size == 2  # 3 ready nodes, but 3 is not an allowed size
     assert len([n for n in status.nodes if n.state == "ready"]) == 3
+
+
+async def test_a_repeated_update_id_is_answered_once_across_continue_as_new(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    """Temporal answers a repeated update id with the first outcome only within one run; the
+    operator repeats its ScaleIn/ScaleOut updates under their ids after a crash, and by then
+    the job may have continued as new. The new run must answer from its books, not act again."""
+    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+        elastic = {"min_nodes": 1, "max_nodes": 6, "initial_nodes": 4, "opportunistic": False}
+        handle = await sim.start(fast_spec(total_steps=10_000_000, elastic=elastic))
+        await until(sim, handle, running_at(4))
+        asks = [
+            ("scale_in", {"count": 1}, "op-in", 3),
+            ("scale_out", {"count": 2, "timeout_s": 30}, "op-out", 5),
+        ]
+        for name, arg, update_id, size in asks:
+            first = await handle.execute_update(name, arg, id=update_id, result_type=str)
+            step = (await until(sim, handle, running_at(size))).step
+            await continue_as_new_now(handle)
+            again = await handle.execute_update(name, arg, id=update_id, result_type=str)
+            after = await until(sim, handle, lambda s, at=step: s.step > at + 20)  # (turns later)
+            assert again == first and after.target_nodes == size, (again, first, after.target_nodes)
+        await handle.cancel()
+    told = [e.event for e in after.timeline]
+    assert told.count("scale in") == 1 and told.count("scale out") == 1, told
 
 
 async def test_scale_in_by_name_and_by_count_then_out(dev_env: WorkflowEnvironment) -> None:

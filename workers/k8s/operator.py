@@ -251,6 +251,7 @@ class Operator:
                 update = ScaleIn(count=spec.get("count"), node_ids=spec.get("workers"))
             if (req.get("status") or {}).get("phase") != "Pending":
                 await self._patch_status(plural, ns, meta["name"], ScaleStatus(phase="Pending"))
+                crash_point(f"{kind.lower()}-pending")  # (seen, not yet acted on)
             try:
                 said = await handle.execute_update(
                     "scale_out" if kind == "ScaleOut" else "scale_in",

@@ -57,6 +57,7 @@ class NodeState(StrEnum):
 
 
 SEEN_EVENTS_KEPT = 2000
+UPDATE_ANSWERS_KEPT = 200
 TIMELINE_KEPT = 400
 
 
@@ -147,6 +148,11 @@ class JobState(BaseModel):
     resizes: int = 0
     steps_lost: int = 0
     seen_events: list[str] = Field(default_factory=list)
+    update_answers: dict[str, str] = Field(
+        default_factory=dict,
+        description="scale updates' ids -> their answers: a repeat in a later run (after "
+        "continue-as-new) is answered from here, not acted on again",
+    )
     inbox: list[Event] = Field(default_factory=list)
     timeline: list[TimelineEntry] = Field(default_factory=list)
     submitted_at: datetime | None = None
@@ -267,6 +273,13 @@ class JobState(BaseModel):
             return False
         self.seen_events = [*self.seen_events[-(SEEN_EVENTS_KEPT - 1) :], event_id]
         return True
+
+    def remember_answer(self, update_id: str, answer: str) -> str:
+        """Keep an update's answer under its id (Temporal answers a repeated id only within
+        the run that saw it first; continue-as-new carries this to the next)."""
+        kept = list(self.update_answers.items())[-(UPDATE_ANSWERS_KEPT - 1) :]
+        self.update_answers = {**dict(kept), update_id: answer}
+        return answer
 
     def record(self, now: datetime, event: str, detail: str = "") -> None:
         entry = TimelineEntry(

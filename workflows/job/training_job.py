@@ -157,14 +157,21 @@ class TrainingJob:
     @workflow.update(name="scale_out")
     async def scale_out(self, req: ScaleOut) -> str:
         s = self._active_state()
+        update_id = _update_id()
+        if update_id in s.update_answers:  # a repeat from before continue-as-new
+            return s.update_answers[update_id]
         if req.timeout_s is None:
             s.inbox.append(events.ScaleOut(count=req.count))
-            return f"scaling out by {req.count} node(s)"
-        return await self.scale_out_waits.ask(req.count, req.timeout_s)
+            return s.remember_answer(update_id, f"scaling out by {req.count} node(s)")
+        return s.remember_answer(
+            update_id, await self.scale_out_waits.ask(req.count, req.timeout_s)
+        )
 
     @scale_out.validator
     def _check_scale_out(self, req: ScaleOut) -> None:
         s = self._active_state()
+        if _update_id() in s.update_answers:
+            return  # answered before: the repeat gets that answer, whatever holds now
         if error := job_planner.scale_out_error(s, req.count) or (
             req.timeout_s is not None and timed_scale_out.busy(s)
         ):
@@ -172,12 +179,20 @@ class TrainingJob:
 
     @workflow.update(name="scale_in")
     def scale_in(self, req: ScaleIn) -> str:
-        self._active_state().inbox.append(events.ScaleIn(count=req.count, node_ids=req.node_ids))
-        return f"scaling in by {req.count or len(req.node_ids or [])} node(s)"
+        s = self._active_state()
+        update_id = _update_id()
+        if update_id in s.update_answers:  # a repeat from before continue-as-new
+            return s.update_answers[update_id]
+        s.inbox.append(events.ScaleIn(count=req.count, node_ids=req.node_ids))
+        count = req.count or len(req.node_ids or [])
+        return s.remember_answer(update_id, f"scaling in by {count} node(s)")
 
     @scale_in.validator
     def _check_scale_in(self, req: ScaleIn) -> None:
-        if error := job_planner.scale_in_error(self._active_state(), req):
+        s = self._active_state()
+        if _update_id() in s.update_answers:
+            return  # answered before (a named worker may be gone by now: that was this)
+        if error := job_planner.scale_in_error(s, req):
             raise ValueError(error)
 
     @workflow.update(name="pause")
@@ -556,3 +571,12 @@ class TrainingJob:
 
     def _now(self) -> datetime:
         return workflow.now()
+
+
+def _update_id() -> str:
+    """The running update's id. Temporal answers a repeated id with the first outcome only
+    within one run, so the scale updates also keep their answers in JobState (carried by
+    continue-as-new): the operator repeats them under the same id after a crash."""
+    info = workflow.current_update_info()
+    assert info is not None, "called outside an update"
+    return info.id
