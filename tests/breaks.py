@@ -587,7 +587,7 @@ WARNING_RULE_BREAKS = [
     ),
     Break(
         "AWS Health scheduled change: its own kind, due at startTime",
-        "workers/webhook_events.py",
+        "workers/webhook/events.py",
         "return [_scheduled(i, health_event_id(event.id, i), start) for i in instances]",
         "return [_early_warning(i, health_event_id(event.id, i)) for i in instances]",
         SCH("test_aws_payloads_of_scheduled_changes_parse_to_their_own_kind_and_start"),

@@ -2,8 +2,9 @@
 reboot, maintenance) is its own kind of early warning, `scheduled`: certain, and due at its
 start time. make-before-break's rule weighs it with p = 1 (a rebalance recommendation, right
 half the time, is declined by the same job), and its swap must beat that start as a notice's
-must. The planner's decisions without a server, then the whole path: AWS's payloads (tests/data
-/webhook, sources in its SOURCES.md) through the real webhook to a real TrainingJob on the
+must. The planner's decisions without a server, then the whole path: AWS's payloads
+(tests/webhook/corpus, sources in its SOURCES.md) through the real webhook to a real
+TrainingJob on the
 Temporal dev server, with the simulated cloud naming its nodes as EC2 does."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.workflows.test_make_before_break import events as timeline
 from tests.workflows.test_make_before_break_planner import state, warning
 from tests.workflows.test_planner_job import T0
 
-DATA = Path(__file__).with_name("data") / "webhook"
+DATA = Path(__file__).parents[1] / "webhook" / "corpus"
 
 
 def scheduled(node_id: str, start_s: float | None) -> events.Reclaim:
