@@ -488,7 +488,7 @@ def check_job(
     slots = [slot for _, slot, _ in job_instances(job)]
     fig.duplicates = len(slots) - len(set(slots))
     live = [i for i, _, state in job_instances(job) if state in LIVE_STATES]
-    procs = job_processes(job)
+    procs = env.rank_processes(job)
     fig.leaks = len(live) + len(procs)
     if fig.duplicates:
         fig.problems.append(f"duplicate instances for slots {sorted(slots)}")

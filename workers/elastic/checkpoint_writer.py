@@ -132,7 +132,7 @@ def _start() -> tuple[mp.Process, Connection]:
 def _serve(conn: Connection) -> None:
     """The writer process: write each request's items, answer with the results (or the error),
     until the training process closes the pipe."""
-    from spotrain.elastic.checkpoint import storage_writer
+    from spotrain.elastic.checkpoint import storage_writer  # (checkpoint.py imports this one)
 
     os.setpriority(os.PRIO_PROCESS, 0, NICE)
     while True:
