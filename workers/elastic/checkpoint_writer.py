@@ -100,13 +100,15 @@ def write(location: str, plan: SavePlan, items: list[tuple[WriteItem, Any]]) -> 
     """Write this rank's planned `items` of the checkpoint at `location` in the writer process
     (started on first use); their results, or the writer's error raised here."""
     global _writer
-    if _writer is None or not _writer[0].is_alive():
+    if _writer is not None and not _writer[0].is_alive():
+        _forget_writer()
+    if _writer is None:
         _writer = _start()
     try:
         _writer[1].send((location, plan, items))
         result = _writer[1].recv()
     except (EOFError, OSError) as err:
-        _writer = None  # (it died: the next save starts another)
+        _forget_writer()  # (it died: the next save starts another)
         raise RuntimeError(f"the checkpoint writer process died: {err!r}") from err
     if isinstance(result, BaseException):
         raise result
@@ -116,6 +118,16 @@ def write(location: str, plan: SavePlan, items: list[tuple[WriteItem, Any]]) -> 
 def pid() -> int | None:
     """The writer process's pid, once started."""
     return _writer[0].pid if _writer else None
+
+
+def _forget_writer() -> None:
+    """Close the pipe to a writer that died, and reap it."""
+    global _writer
+    if _writer is not None:
+        process, conn = _writer
+        conn.close()
+        process.join(1)
+        _writer = None
 
 
 def _start() -> tuple[mp.Process, Connection]:
