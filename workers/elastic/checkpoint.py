@@ -124,6 +124,18 @@ def storage_writer(path: str, background: str | None = None) -> StorageWriter:
     return writer
 
 
+def save_in_background(
+    state: dict[str, Any], path: str, group: dist.ProcessGroup | None = None
+) -> Future[Any]:
+    """Stage `state` and write it in the background (checkpoint_writer.py says where); the
+    future of its metadata. No `group`: one process saves alone."""
+    stager = checkpoint_writer.stager(state)
+    writer = storage_writer(path, background="process" if stager else "thread")
+    return dcp.async_save(
+        state, storage_writer=writer, process_group=group, async_stager=stager, no_dist=not group
+    )
+
+
 def storage_reader(path: str) -> StorageReader:
     """A DCP reader for a local path or an s3:// URI."""
     if not path.startswith("s3://"):
@@ -191,11 +203,7 @@ class Checkpointer:
         started = time.monotonic()
         self.wait()
         path = self.store.checkpoint_path(step)
-        stager = checkpoint_writer.stager(state)
-        writer = storage_writer(path, background="process" if stager else "thread")
-        future = dcp.async_save(
-            state, storage_writer=writer, process_group=self.group, async_stager=stager
-        )
+        future = save_in_background(state, path, self.group)
         blocked = time.monotonic() - started
         pending = _InFlight(step, path, kind, started, blocked, future, notice_at)
         future.add_done_callback(lambda _f: pending.done_at.append(time.monotonic()))
