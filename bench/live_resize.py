@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.live_resize [--reclaims 20] [--losses 20] [--step-time 0.02]
         [--runtime local|kubernetes] [--params 100 --step-time 0 --settle-steps 3]
-        [--example fsdp --procs-per-node 2]
+        [--example fsdp --procs-per-node 2 [--full-shard]]
 
 The whole path as a user runs it: the real TrainingJob workflow on the Temporal dev server,
 the simulated cloud (always capacity) and the rank runtime starting real PyTorch DDP ranks
@@ -22,7 +22,12 @@ and has trained a few steps.
   `--ckpt-every` steps; live mode: at most the step in flight).
 - `--example fsdp`: the sharded example instead (examples/train_fsdp.py: a decoder-only
   transformer, FSDP2 as HSDP, AdamW: 12 bytes a parameter, sharded over a node's
-  `--procs-per-node` processes); a node is one replica.
+  `--procs-per-node` processes); a node is one replica. With `--full-shard`: pure FSDP over
+  every rank (no replica), and live mode with `elastic.peer_copy` (each node keeps its ring
+  neighbour's shards, stepped with its gradients): every resize reshards in memory, a lost
+  or noticed node's shards come from the copy; reported beside the pauses: the copy's cost
+  per step (gradient exchange and barrier, and the optimizer's step on the copy) against the
+  step, and each reshard's time.
 - `--params N`: a model of about N million parameters (the state: 8 bytes a parameter, model
   and momentum). A pause includes the first step after the resize: the step time is
   reported beside it, and "less a step" is the median pause less the median step (the time
@@ -98,7 +103,8 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
             "--step-time",
             str(args.step_time),
             *(["--params", str(args.params)] if args.params else []),
-            *(["--oracle"] if args.params and ddp else []),
+            *(["--oracle"] if args.params and not args.full_shard else []),
+            *(["--full-shard"] if args.full_shard else []),
         ],
         "total_steps": 10**7,
         "global_batch_size": GLOBAL_BATCH,
@@ -122,6 +128,7 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
             "capacity_check_interval_s": 1,
             "progress_report_interval_s": 0.5,
             "max_restarts": 1000,
+            "peer_copy": args.full_shard and mode == "live",
         },
         "spot": {
             "instance_types": [
@@ -208,11 +215,16 @@ def pauses(timeline: list[TimelineEntry], record: Path) -> dict[str, Any]:
         if kind == "loss without notice":
             lost.append(max(e["step"] for e in before) - (min(e["step"] for e in after) - 1))
     handovers = [json.loads(f.read_text()) for f in sorted(record.glob("gen-*-handover.json"))]
+    reshards = [json.loads(f.read_text()) for f in sorted(record.glob("gen-*-reshard.json"))]
+    # the peer copy's share of each step (rank 0's records; 0 without a copy)
+    copy = [e["copy_s"] for g in steps.values() for e in g if e.get("copy_s") and "loss" in e]
     return {
         "pause_s": out,
         "steps_lost": lost,
         "slow": slow,
         "handovers": handovers,
+        "reshards": reshards,
+        "copy_s": copy,
         "step_s": summary(step_durations(steps)),
     }
 
@@ -335,6 +347,18 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
         rows.append({"kind": "raw broadcast (limit)", "mode": "live", **raw})
         ratio = took["median"] / raw["median"] if raw.get("median") else None
         rows.append({"kind": "hand-over", "mode": "live", **took, "vs raw": ratio})
+    live = measured.get("live", {})
+    if live.get("copy_s"):  # the peer copy's cost per step, against the step
+        copy = summary(live["copy_s"])
+        rows.append({"kind": "peer copy per step", "mode": "live", **copy})
+        share = copy["median"] / live["step_s"]["median"]
+        rows.append({"kind": "peer copy / step", "mode": "live", "n": copy["n"], "median": share})
+    for kind, picked in (("reshard: growth", False), ("reshard: from a peer copy", True)):
+        took = [r["reshard_s"] for r in live.get("reshards", []) if (r["from_copy"] > 0) == picked]
+        if took:
+            rows.append({"kind": kind, "mode": "live", **summary(took)})
+    if boot := [r["bootstrap_s"] for r in live.get("reshards", [])]:
+        rows.append({"kind": "peer copy taken (new generation)", "mode": "live", **summary(boot)})
     out = {
         "benchmark": "live_resize",
         "settings": {
@@ -342,6 +366,7 @@ def report(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> tup
             "example": args.example,
             "nodes": NODES,
             "procs_per_node": args.procs_per_node,
+            "full_shard": args.full_shard,
             "step_time_s": args.step_time,
             "ckpt_every": args.ckpt_every,
             "reclaims": args.reclaims,
@@ -394,11 +419,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--procs-per-node", type=int, default=1, help="ranks per node (fsdp: the shard group)"
     )
+    parser.add_argument(
+        "--full-shard",
+        action="store_true",
+        help="fsdp: pure FSDP over every rank (no replica), with elastic.peer_copy in live mode",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     out, rows = report(asyncio.run(run(args)), args)
     suffix = "" if args.runtime == "local" else f"_{args.runtime}"
     suffix += "" if args.example == "ddp" else f"_{args.example}"
+    suffix += "_full_shard" if args.full_shard else ""
     suffix += f"_{args.params:g}m" if args.params else ""
     publish(out, rows, COLUMNS, args.out / f"live_resize{suffix}.json")
     return out

@@ -1,17 +1,22 @@
-"""A real elastic sharded job: a small decoder-only transformer trained with FSDP2 as HSDP.
+"""A real elastic sharded job: a small decoder-only transformer trained with FSDP2 (HSDP, or
+pure FSDP with `--full-shard`).
 
 Run by a spotrain runtime (it sets the torchrun-style and SPOTRAIN_* environment). The rank
 contract of examples/train_ddp.py, for a sharded model:
 - a 2-D device mesh (spotrain.elastic.sharded): replicate over nodes, shard over each node's
-  processes (`procs_per_node` in the job spec); gloo on CPU, NCCL when CUDA is present;
+  processes (`procs_per_node` in the job spec); or, with `--full-shard`, one shard per rank
+  over every node (no replica); gloo on CPU, NCCL when CUDA is present;
 - DCP checkpoints to the job's file:// or s3:// location: asynchronous every `ckpt_every`
   steps, synchronous on an elastic event; a new generation at another world size loads the
   newest one, resharded to its mesh;
 - the sample stream of spotrain.elastic.sampler: step s consumes stream positions
   [s*G, (s+1)*G), split over the ranks, so no sample is repeated or skipped across resizes;
-- live resize (`elastic.resize: live`): a survivor keeps its shards and rebuilds the model on
-  the next generation's mesh (`sharded.carry`); a joining node takes each shard from a
-  survivor holding the same one; a node lost without notice costs at most the step in flight.
+- live resize (`elastic.resize: live`): HSDP: a survivor keeps its shards and rebuilds the
+  model on the next generation's mesh (`sharded.carry`); a joining node takes each shard from
+  a survivor holding the same one; a node lost without notice costs at most the step in
+  flight. Pure FSDP: `sharded.sync` reshards in memory to the new world size, and with
+  `elastic.peer_copy` a lost node's shards come from the copy its ring neighbour kept
+  (`sharded.peer_copy`, stepped in `copy.step()`); without one, from the last checkpoint.
 
 The data: token sequences from a fixed random Markov chain (no downloads), so the loss falls
 to the chain's entropy. `--record DIR` appends each rank's consumed positions and rank 0's
@@ -22,6 +27,7 @@ DIR/final-rank-R.json (the tests check them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,9 +47,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from spotrain import elastic
-from spotrain.elastic import checkpoint, live, sharded
+from spotrain.elastic import checkpoint, handover, live, sharded
 from spotrain.elastic.sampler import stream_indices
 
 VOCAB = 64
@@ -139,13 +146,47 @@ def state_of(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
     return {"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}
 
 
-def load(ckpt: checkpoint.Checkpointer, model: nn.Module, optim: torch.optim.Optimizer) -> int:
-    """Resume from the newest complete checkpoint that loads (any mesh); the step."""
+def load(
+    ckpt: checkpoint.Checkpointer,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    required: bool = False,
+) -> int:
+    """Resume from the newest complete checkpoint that loads (any mesh); the step. If none
+    loads: step 0 from the initial weights (`required`: the model is uninitialised, a fault)."""
     state = state_of(model, optim, 0)
     if ckpt.load(state) is None:
+        if required:
+            raise RuntimeError("no checkpoint to go back to, and the shards are lost")
         return 0
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
+
+
+def oracle(
+    s: elastic.Settings,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    mesh: DeviceMesh,
+    to: Path,
+) -> None:
+    """Benchmarks, HSDP: after a hand-over, time a raw `dist.broadcast` of the same local
+    shards on the same group (the replicas of this rank's shard: the limit), and write both
+    beside the step records (rank 0)."""
+    local = list(model.state_dict().values())
+    for p in (p for g in optim.param_groups for p in g["params"]):
+        local += [v for _, v in sorted(optim.state.get(p, {}).items()) if torch.is_tensor(v)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in local]
+    group = sharded.replicas(mesh)
+    dist.barrier()
+    started = time.monotonic()
+    for t in local:
+        dist.broadcast(t, src=handover.last.first_source, group=group)
+    raw = time.monotonic() - started
+    if s.is_rank0:
+        took = {"bytes": handover.last.bytes, "handover_s": handover.last.seconds, "raw_s": raw}
+        took |= {"sources": handover.last.sources, "takers": handover.last.takers}
+        (to / f"gen-{s.generation}-handover.json").write_text(json.dumps(took))
 
 
 def main() -> int:
@@ -156,6 +197,15 @@ def main() -> int:
     )
     parser.add_argument(
         "--params", type=float, default=0, help="millions of parameters (default: tiny)"
+    )
+    parser.add_argument(
+        "--oracle", action="store_true", help="benchmarks: time a raw broadcast per hand-over"
+    )
+    parser.add_argument(
+        "--full-shard",
+        action="store_true",
+        help="pure FSDP: shard over every rank, no replica (set elastic.peer_copy to survive "
+        "a node lost without notice in memory)",
     )
     args = parser.parse_args()
 
@@ -172,9 +222,10 @@ def main() -> int:
     data = dataset()
     s = elastic.wait_for_gang()
     live.init_process_group("nccl" if cuda else "gloo")
-    mesh = sharded.node_mesh(s, device.type)
+    new_mesh = sharded.full_mesh if args.full_shard else sharded.node_mesh
+    mesh = new_mesh(s, device.type)
     model, optim = build(mesh, shape, device, full)
-    # A node joining a live resize takes the survivors' shards in `live.sync`, not the disk's.
+    # A node joining a live resize takes its shards from the survivors in `sharded.sync`.
     step = -1 if live.state_from_peers() else load(checkpoint.Checkpointer(), model, optim)
     if args.record:
         args.record.mkdir(parents=True, exist_ok=True)
@@ -185,9 +236,9 @@ def main() -> int:
         step = done
         if (s := live.next_generation(step)) is None:  # parked until placed (live), else exit
             return 0
-        mesh = sharded.node_mesh(s, device.type)
+        mesh = new_mesh(s, device.type)
         new_model, new_optim = build(mesh, shape, device)
-        sharded.carry(model, optim, new_model, new_optim)
+        sharded.carry(model, optim, new_model, new_optim)  # HSDP; pure FSDP: in sharded.sync
         model, optim = new_model, new_optim
 
 
@@ -213,7 +264,15 @@ def train(
     print(f"gen {s.generation} rank {s.rank}/{s.world_size}: step {step}, {batch}", flush=True)
     tokens_per_step = s.global_batch_size * SEQ  # type: ignore[operator]
     try:
-        step = live.sync(model, optim, step, group=sharded.replicas(mesh))
+        step = sharded.sync(model, optim, step, mesh)  # joiners' shards (pure FSDP: all moved)
+        if step is None:  # pure FSDP: a node's shards lost with their copy
+            step = load(checkpoint.Checkpointer(), model, optim, required=True)
+        copy = sharded.peer_copy(model, optim)  # elastic.peer_copy: a ring neighbour's shards
+        if args.oracle and mesh.ndim > 1 and handover.last.takers and args.record:
+            oracle(s, model, optim, mesh, args.record)
+        if record and s.is_rank0 and sharded.last.reshard_s:  # (what it cost, for the bench)
+            stats = json.dumps(dataclasses.asdict(sharded.last))
+            (args.record / f"gen-{s.generation}-reshard.json").write_text(stats)
         for group in optim.param_groups:
             group["lr"] = float(s.scale_config.get("lr", 3e-3))
         ckpt = checkpoint.Checkpointer()
@@ -231,12 +290,12 @@ def train(
             dist.all_reduce(flags)
             loss = flags[0].item() / tokens_per_step
             event, save = flags[1].item() > 0, flags[2].item() > 0
-            optim.step()
+            copy.step()  # optim.step(), and the same step on the neighbour's copy (if kept)
             optim.zero_grad()
             step += 1
             if record:
                 entry = {"step": step, "start": start, "count": len(idx), "world": s.world_size}
-                entry["time"] = time.time()
+                entry |= {"time": time.time(), "copy_s": sharded.last.copy_s}
                 record.write(json.dumps({**entry, "loss": loss} if s.is_rank0 else entry) + "\n")
             if args.step_time:
                 time.sleep(args.step_time)

@@ -509,6 +509,46 @@ HANDOVER_BREAKS = [
     ),
 ]
 
+# --- pure FSDP's in-memory reshard and peer copy (workers/elastic/sharded.py) --------------
+SH_PY = "workers/elastic/sharded.py"
+PC = _in("elastic/test_peer_copy.py")
+PEER_COPY_BREAKS = [
+    Break(
+        "peer copy: stepped with the neighbour's gradients (never stale)",
+        SH_PY,
+        "        self.optim.step()\n        last.copy_step_s",
+        "        last.copy_step_s",
+        PC("test_a_node_lost_between_steps_is_rebuilt_from_its_peer_copy_bit_for_bit"),
+    ),
+    Break(
+        "peer copy: a lost rank's rows from the node behind it on the ring",
+        SH_PY,
+        "elif (o - stride) % old_world in copies:",
+        "elif (o + stride) % old_world in copies:",
+        PC("test_a_lost_nodes_shards_come_from_the_node_behind_it_on_the_ring"),
+        more=(
+            (
+                "sources.append((copies[(o - stride) % old_world], True))",
+                "sources.append((copies[(o + stride) % old_world], True))",
+            ),
+        ),
+    ),
+    Break(
+        "reshard: a survivor a step behind takes the step with its gradients",
+        SH_PY,
+        "finish = [n for n, h in survivors if h.step < top]",
+        "finish = []",
+        PC("test_a_survivor_a_step_behind_takes_the_step_only_with_its_gradients_in_hand"),
+    ),
+    Break(
+        "a new generation's mesh forgets DTensor's caches",
+        SH_PY,
+        "    debug._clear_sharding_prop_cache()\n",
+        "    return\n",
+        PC("test_a_new_generations_mesh_is_not_an_old_one_from_dtensors_caches"),
+    ),
+]
+
 # --- the suite's own guards: step-time records, hypothesis, long-list diffs ------------------
 SUITE_BREAKS = [
     Break(
@@ -601,5 +641,6 @@ BREAKS = (
     + NOTICE_BREAKS
     + EC2_BREAKS
     + HANDOVER_BREAKS
+    + PEER_COPY_BREAKS
     + SUITE_BREAKS
 )

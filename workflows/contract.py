@@ -218,6 +218,9 @@ class GenerationPlan(Message):
         "restart", description="live: adopt the previous generation's parked ranks"
     )
     collective_timeout_s: float = 30.0
+    peer_copy: bool = Field(
+        False, description="live: each node keeps its ring neighbour's shards in memory"
+    )
 
     @property
     def world_size(self) -> int:

@@ -246,6 +246,15 @@ class ElasticPolicy(Strict):
         description="how long a collective waits for a peer: a rank lost without notice is "
         "detected within it (passed to ranks as SPOTRAIN_COLLECTIVE_TIMEOUT_S)",
     )
+    peer_copy: bool = Field(
+        False,
+        description="live resize of a model sharded over every rank (pure FSDP, no replica): "
+        "each node keeps an in-memory copy of its ring neighbour's shards and steps it with the "
+        "neighbour's gradients, so a node lost without notice (or leaving on a notice) costs at "
+        "most the step in flight, not a return to the last checkpoint; costs as much memory "
+        "again as a rank's own shards, optimizer state and gradients, and one gradient shard "
+        "sent per step (docs/sharded.md)",
+    )
     opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
     progress_report_interval_s: Interval = Field(
         30, description="how often running ranks' progress reaches the workflow"
@@ -279,6 +288,8 @@ class ElasticPolicy(Strict):
             raise ValueError(
                 "make_before_break orders a replacement: it needs reclaim_policy: replace"
             )
+        if self.peer_copy and self.resize != "live":
+            raise ValueError("peer_copy keeps shards in memory for live resize: set resize: live")
         if self.initial_nodes is not None and not (
             self.min_nodes <= self.initial_nodes <= self.max_nodes
         ):

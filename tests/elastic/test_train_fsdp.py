@@ -2,7 +2,9 @@
 transformer, gloo on CPU), two processes per node on the local runtime. Resized by restart
 (DCP reshards between meshes) and live (survivors keep their shards, a joining node takes
 each shard from a survivor holding the same one, a node lost without notice costs at most
-the step in flight); every run ends with the weights of an uninterrupted one."""
+the step in flight); and pure FSDP with a peer copy (every resize reshards in memory, a lost
+node's shards come from its ring neighbour's copy); every run ends with the weights of an
+uninterrupted one."""
 
 from __future__ import annotations
 
@@ -36,11 +38,16 @@ def plan(
     job: str = "fsdp",
     live: bool = False,
     total_steps: int = TOTAL_STEPS,
+    peer_copy: bool = False,
 ) -> GenerationPlan:
     """The DDP example's plan (tests/elastic/test_train_ddp.py) for this one: nodes by index
-    (node-<i>, local) or by instance id (Kubernetes), each of PROCS processes."""
+    (node-<i>, local) or by instance id (Kubernetes), each of PROCS processes. `peer_copy`:
+    pure FSDP (`--full-shard`) with `elastic.peer_copy`."""
     p = ddp_plan(tmp_path, generation, len(nodes), job, total_steps, ckpt_every=1000)
     p.command[1], p.command[-1] = str(EXAMPLE), "0.05"
+    if peer_copy:
+        p.command.append("--full-shard")
+        p.peer_copy = True
     p.members = [
         Member(node_id=n if isinstance(n, str) else f"node-{n}", address="127.0.0.1", procs=PROCS)
         for n in nodes
@@ -127,22 +134,74 @@ def test_live_growth_and_a_replica_lost_without_notice(tmp_path: Path) -> None:
     assert [pids(rt, 1, "fsdp")[r] for r in range(4)] == [pids(rt, 0, "fsdp")[r] for r in range(4)]
     run_until(env, rt, gen1, s0 + 10)
 
-    assert rt.kill_node("fsdp", "node-1") == [2, 3]
+    # node-0 lost: node-1's processes, ranks 2, 3 of a 2 x 2 mesh in generation 0, become
+    # ranks 0, 1 of an equal one (sharded._forget_meshes)
+    assert rt.kill_node("fsdp", "node-0") == [0, 1]
     lost = stop_generation(
-        env, rt, gen1, graceful=False, grace_s=20, live=True, lost_node_ids=["node-1"]
+        env, rt, gen1, graceful=False, grace_s=20, live=True, lost_node_ids=["node-0"]
     )
     held = lost.held_step
-    assert lost.acked_ranks == [0, 1, 4, 5] and held is not None
+    assert lost.acked_ranks == [2, 3, 4, 5] and held is not None
     reached = max(e["step"] for entries in records(tmp_path, 1, "fsdp").values() for e in entries)
     assert reached - held <= 1, (reached, held)
-    gen2 = plan(tmp_path, 2, [0, 2], live=True)
+    gen2 = plan(tmp_path, 2, [1, 2], live=True)
     env.run(rt.start_generation, gen2)
-    assert pids(rt, 2, "fsdp")[2] == pids(rt, 1, "fsdp")[4]  # node-2's processes, renumbered
+    assert pids(rt, 2, "fsdp")[0] == pids(rt, 1, "fsdp")[2]  # node-1's processes, renumbered
     assert run_to_end(env, rt, gen2).exit_codes == dict.fromkeys(range(2 * PROCS), 0)
     reference(env, rt, tmp_path)
 
     rec = [records(tmp_path, g, "fsdp") for g in range(3)]
     assert first_steps(rec[1])[0] == s0 + 1 and first_steps(rec[2])[0] == held + 1
+    rec1 = through_held(rec[1], held, GLOBAL_BATCH)
+    assert consumed([(rec[0], s0), (rec1, held), (rec[2], TOTAL_STEPS)]) == list(
+        range(TOTAL_STEPS * GLOBAL_BATCH)
+    )
+    store = JobStore(gen2.checkpoint)
+    assert store.loaded_step(1) is None and store.loaded_step(2) is None  # nothing from disk
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "ref")
+    assert not any(r.alive() for g in range(3) for r in rt._ranks("fsdp", g))
+
+
+def test_pure_fsdp_reshards_live_and_a_lost_node_comes_back_from_its_peer_copy(
+    tmp_path: Path,
+) -> None:
+    """Pure FSDP (one shard per rank, no replica) with `elastic.peer_copy`: a third node joins
+    (4 -> 6 ranks: every shard cut anew, in memory); then node-0 is lost without notice, and
+    its shards come from the copy node-2 (the joiner) kept of them, stepped with node-0's
+    gradients: the 4 survivors reshard 6 -> 4 and go on, at most the step in flight lost.
+    Nothing is read from disk; the weights end as an uninterrupted run's."""
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    gen0 = plan(tmp_path, 0, [0, 1], live=True, peer_copy=True)
+    env.run(rt.start_generation, gen0)
+    run_until(env, rt, gen0, 10)
+
+    grow = stop_generation(env, rt, gen0, graceful=True, grace_s=60, live=True)
+    s0 = grow.held_step
+    assert s0 is not None and grow.checkpoint_step is None
+    gen1 = plan(tmp_path, 1, [0, 1, 2], live=True, peer_copy=True)
+    env.run(rt.start_generation, gen1)
+    run_until(env, rt, gen1, s0 + 10)
+
+    assert rt.kill_node("fsdp", "node-0") == [0, 1]
+    lost = stop_generation(
+        env, rt, gen1, graceful=False, grace_s=20, live=True, lost_node_ids=["node-0"]
+    )
+    held = lost.held_step
+    assert lost.acked_ranks == [2, 3, 4, 5] and held is not None
+    reached = max(e["step"] for entries in records(tmp_path, 1, "fsdp").values() for e in entries)
+    assert reached - held <= 1, (reached, held)
+    gen2 = plan(tmp_path, 2, [1, 2], live=True, peer_copy=True)
+    env.run(rt.start_generation, gen2)
+    assert run_to_end(env, rt, gen2).exit_codes == dict.fromkeys(range(2 * PROCS), 0)
+    reference(env, rt, tmp_path)
+
+    resharded = [
+        json.loads((tmp_path / "fsdp" / f"gen-{g}-reshard.json").read_text()) for g in (1, 2)
+    ]
+    assert resharded[0]["from_copy"] == 0 and resharded[1]["from_copy"] == PROCS  # node-0's
+    rec = [records(tmp_path, g, "fsdp") for g in range(3)]
+    assert first_steps(rec[1])[0] == s0 + 1 and first_steps(rec[2])[0] == held + 1
+    assert {e["world"] for e in rec[2][0]} == {4} and all(e["copy_s"] > 0 for e in rec[2][0])
     rec1 = through_held(rec[1], held, GLOBAL_BATCH)
     assert consumed([(rec[0], s0), (rec1, held), (rec[2], TOTAL_STEPS)]) == list(
         range(TOTAL_STEPS * GLOBAL_BATCH)

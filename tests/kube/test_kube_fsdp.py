@@ -1,8 +1,9 @@
-"""The sharded example (examples/train_fsdp.py: FSDP2 as HSDP, gloo, CPU) resized live on the
+"""The sharded example (examples/train_fsdp.py: FSDP2 as HSDP, gloo, CPU) resized on the
 Kubernetes runtime, on the real control plane: one pod per node runs the node's two processes
-(spotrain.elastic.procs), a joining node's pod takes its shards from the survivors, and a
-node lost without notice costs at most the step in flight. The weights end as an
-uninterrupted run's (on the local runtime).
+(spotrain.elastic.procs). Live, a joining node's pod takes its shards from the survivors, and a
+node lost without notice costs at most the step in flight; by restart, each generation's pods
+load the last one's checkpoint onto their own mesh. The weights end as an uninterrupted run's
+(on the local runtime).
 
 Stood in for: the kubelet (tests/kube/kube_kubelet.py runs each bound pod's command as a local
 process), as in tests/kube/test_kube_live.py.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from temporalio.testing import ActivityEnvironment
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore
-from spotrain.workflows.contract import GenerationPlan
+from spotrain.workflows.contract import GenerationPlan, WatchResult
 from tests.elastic.test_live_resize import consumed, through_held
 from tests.elastic.test_train_ddp import records
 from tests.elastic.test_train_ddp import watch as watch_local
@@ -52,6 +54,73 @@ pytest.importorskip("torch")
 TOTAL_STEPS = 200
 
 
+def on_kube(tmp_path: Path, generation: int, nodes: list[str], live: bool) -> GenerationPlan:
+    """The example's generation on these nodes, as pods of the kubelet stand-in's image."""
+    p = plan(tmp_path, generation, nodes, job=JOB, live=live, total_steps=TOTAL_STEPS)
+    return p.model_copy(update={"image": "ghcr.io/example/train:1"})
+
+
+def reference(tmp_path: Path) -> Callable[[], WatchResult]:
+    """Two nodes, never resized, started on the local runtime beside the job: its watch."""
+    env, local = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
+    ref = plan(tmp_path, 0, [0, 1], job="ref", total_steps=TOTAL_STEPS)
+    env.run(local.start_generation, ref)
+    return functools.partial(watch_local, env, local, ref)
+
+
+def run_to_end(
+    runtime: KubeRuntime,
+    p: GenerationPlan,
+    ref_watch: Callable[[], WatchResult],
+    kubelet: LocalKubelet,
+) -> None:
+    """The job's last generation and the reference both run to completion."""
+    deadline = time.monotonic() + 180
+    while (result := watch(runtime, p)).outcome == "progress":
+        assert time.monotonic() < deadline, logs(kubelet)
+    assert result.outcome == "completed", (result, logs(kubelet))
+    while (done := ref_watch()).outcome == "progress":
+        assert time.monotonic() < deadline, "the reference did not finish"
+    assert done.outcome == "completed", done
+
+
+def test_a_sharded_job_resized_by_restart_on_kubernetes(
+    kubelet: LocalKubelet, runtime: KubeRuntime, tmp_path: Path
+) -> None:
+    """2 -> 3 -> 2 nodes (4 -> 6 -> 4 ranks) by restart: DCP reshards each checkpoint onto
+    the next generation's pods, and every sample is consumed once."""
+    a, b, c = list(NODES)
+    ref_watch = reference(tmp_path)
+    stops, gens = [], [on_kube(tmp_path, 1, [a, b], live=False)]
+    for g, nodes in enumerate(([a, b, c], [b, c]), start=2):
+        run(runtime.start_generation, gens[-1])
+        run_until(runtime, gens[-1], (stops[-1] if stops else 0) + 8, kubelet)
+        done = stop(runtime, gens[-1], live=False, graceful=True, grace_s=60)
+        assert done.checkpoint_step is not None and not done.forced, logs(kubelet)
+        stops.append(done.checkpoint_step)
+        gens.append(on_kube(tmp_path, g, nodes, live=False))
+    run(runtime.start_generation, gens[-1])
+    run_to_end(runtime, gens[-1], ref_watch, kubelet)
+
+    assert [name for name, _, _ in kubelet.started] == [  # new pods at every generation
+        f"{JOB}-g1-0",
+        f"{JOB}-g1-1",
+        f"{JOB}-g2-0",
+        f"{JOB}-g2-1",
+        f"{JOB}-g2-2",
+        f"{JOB}-g3-0",
+        f"{JOB}-g3-1",
+    ]
+    rec = {g: records(tmp_path, g, job=JOB) for g in (1, 2, 3)}
+    assert {e["world"] for e in rec[2][5]} == {3 * PROCS}
+    assert consumed([(rec[1], stops[0]), (rec[2], stops[1]), (rec[3], TOTAL_STEPS)]) == list(
+        range(TOTAL_STEPS * GLOBAL_BATCH)
+    )
+    store = JobStore(gens[-1].checkpoint)
+    assert store.loaded_step(2) == stops[0] and store.loaded_step(3) == stops[1]
+    assert_same_weights(tmp_path / JOB, tmp_path / "ref")
+
+
 def test_a_sharded_job_grows_and_loses_a_node_live_on_kubernetes(
     cluster: ControlPlane, kubelet: LocalKubelet, runtime: KubeRuntime, tmp_path: Path
 ) -> None:
@@ -59,14 +128,9 @@ def test_a_sharded_job_grows_and_loses_a_node_live_on_kubernetes(
     a, b, c = list(NODES)
 
     def on(generation: int, nodes: list[str]) -> GenerationPlan:
-        p = plan(tmp_path, generation, nodes, job=JOB, live=True, total_steps=TOTAL_STEPS)
-        return p.model_copy(update={"image": "ghcr.io/example/train:1"})
+        return on_kube(tmp_path, generation, nodes, live=True)
 
-    # The reference, beside it: two nodes, never resized, on the local runtime.
-    env, local = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
-    ref = plan(tmp_path, 0, [0, 1], job="ref", total_steps=TOTAL_STEPS)
-    env.run(local.start_generation, ref)
-    ref_watch = functools.partial(watch_local, env, local, ref)
+    ref_watch = reference(tmp_path)
     gen1 = on(1, [a, b])
     run(runtime.start_generation, gen1)
     run_until(runtime, gen1, 8, kubelet)
@@ -88,20 +152,14 @@ def test_a_sharded_job_grows_and_loses_a_node_live_on_kubernetes(
         assert time.monotonic() < deadline, "the lost node's processes still run"
         time.sleep(0.05)
     deadline = time.monotonic() + 60
-    while (result := watch(runtime, gen2)).outcome == "progress":
+    while watch(runtime, gen2).outcome == "progress":
         assert time.monotonic() < deadline, "the loss was never noticed"
     lost = stop(runtime, gen2, graceful=False, grace_s=20, lost_node_ids=[b])
     held = lost.held_step
     assert lost.acked_ranks == [0, 1, 4, 5] and held is not None, logs(kubelet)
     gen3 = on(3, [a, c])
     run(runtime.start_generation, gen3)
-    deadline = time.monotonic() + 180
-    while (result := watch(runtime, gen3)).outcome == "progress":
-        assert time.monotonic() < deadline, logs(kubelet)
-    assert result.outcome == "completed", (result, logs(kubelet))
-    while (done := ref_watch()).outcome == "progress":
-        assert time.monotonic() < deadline, "the reference did not finish"
-    assert done.outcome == "completed", done
+    run_to_end(runtime, gen3, ref_watch, kubelet)
 
     # Three pods for the whole job, each with the node's processes: two, then the joiner.
     assert [name for name, _, _ in kubelet.started] == [

@@ -27,7 +27,7 @@ from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.embedded.stack import port_block
 from spotrain.workers.worker import workflow_worker
-from spotrain.workflows.job.state import JobResult
+from spotrain.workflows.job.state import JobResult, JobStatus
 from tests.elastic.test_control_channel import wait_status
 from tests.elastic.test_live_resize import books_the_two_losses, live_job_spec
 from tests.elastic.test_local_runtime import WORKER
@@ -138,8 +138,10 @@ async def test_live_training_job_on_kubernetes(
                 handle, lambda s: s.generation >= first + 2 and s.world_size == 3, 120
             )
             grown = status.step
-            status = await wait_status(handle, lambda s: s.step > grown + 10)
-            lost = next(n.node_id for n in status.nodes if n.rank == 2 and n.node_id)
+            status = await wait_status(  # (rank 2 is in the status once its node is placed)
+                handle, lambda s: s.step > grown + 10 and rank_node(s, 2) is not None
+            )
+            lost = rank_node(status, 2) or ""
             cloud.reclaim(lost)  # its node (and the pod's process) goes with the instance
             await handle.signal("node_lost", {"node_id": lost, "event_id": f"lost-{lost}"})
             result = await asyncio.wait_for(handle.result(), 240)
@@ -160,3 +162,8 @@ async def test_live_training_job_on_kubernetes(
     assert len(kubelet.started) == 5, kubelet.started
     assert all(node == node_name(instance) for _, node, instance in kubelet.started)
     assert kubelet.running == {} and cloud.running() == []
+
+
+def rank_node(status: JobStatus, rank: int) -> str | None:
+    """The node that holds `rank` in this status, if one does yet."""
+    return next((n.node_id for n in status.nodes if n.rank == rank and n.node_id), None)

@@ -119,13 +119,13 @@ def run_until(rt: KubeRuntime, p: GenerationPlan, step: int, kubelet: LocalKubel
     return result
 
 
-def stop(rt: KubeRuntime, p: GenerationPlan, **how: Any) -> StopResult:
+def stop(rt: KubeRuntime, p: GenerationPlan, live: bool = True, **how: Any) -> StopResult:
     req = StopRequest(
         job=JOB,
         generation=p.generation,
         world_size=p.world_size,
         checkpoint=p.checkpoint,
-        live=True,
+        live=live,
         **how,
     )
     return run(rt.stop_generation, req)

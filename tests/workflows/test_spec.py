@@ -61,6 +61,7 @@ def test_example_and_defaults() -> None:
             "elastic.typo_field: Extra inputs are not permitted",
         ),
         ({"tpye": "pytorch"}, "tpye: Extra inputs are not permitted"),
+        ({"elastic": {"peer_copy": True}}, "peer_copy keeps shards in memory for live resize"),
         ({"spot": {"more_regions": ["us-west-2", "us-east-1"]}}, "more_regions repeats us-east-1"),
         (
             {"spot": {"more_regions": ["us-west-2"], "zones": ["us-west-2a", "eu-west-1b"]}},

@@ -78,6 +78,7 @@ class Settings:
     global_batch_size: int | None = None
     local_batch_size: int | None = None
     local_world_size: int = 1  # this node's processes (a sharded model's shard group)
+    peer_copy: bool = False  # elastic.peer_copy: a ring neighbour's shards in memory (sharded.py)
 
     @property
     def is_rank0(self) -> bool:
@@ -119,6 +120,7 @@ def settings() -> Settings:
         global_batch_size=_optional_int(environment.GLOBAL_BATCH_SIZE),
         local_batch_size=_optional_int(environment.LOCAL_BATCH_SIZE),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+        peer_copy=env.get(environment.PEER_COPY) == "1",
     )
 
 

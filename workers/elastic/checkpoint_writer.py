@@ -41,7 +41,7 @@ NICE = 19
 # writer process (a Python with torch) would cost more than it spares. The environment can
 # move the bar (a huge value keeps every write in a thread, as before the writer process).
 PROCESS_FROM_ENV = "SPOTRAIN_CHECKPOINT_PROCESS_FROM_MB"
-PROCESS_FROM_BYTES = int(float(os.environ.get(PROCESS_FROM_ENV) or 64) * 2**20)
+PROCESS_FROM_BYTES = float(os.environ.get(PROCESS_FROM_ENV) or 64) * 2**20  # (inf: never)
 
 _stager: DefaultStager | None = None
 _use_process: bool | None = None  # decided at the first background save

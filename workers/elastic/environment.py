@@ -30,6 +30,7 @@ COLLECTIVE_TIMEOUT = "SPOTRAIN_COLLECTIVE_TIMEOUT_S"
 RESIZE = "SPOTRAIN_RESIZE"  # "live"
 STATE_FROM = "SPOTRAIN_STATE_FROM"  # "peers": a joiner takes the survivors' state
 PARK_TIMEOUT = "SPOTRAIN_PARK_TIMEOUT_S"
+PEER_COPY = "SPOTRAIN_PEER_COPY"  # "1": keep a ring neighbour's shards in memory (sharded.py)
 
 
 def rank_env(
@@ -65,6 +66,8 @@ def rank_env(
             COLLECTIVE_TIMEOUT: str(plan.collective_timeout_s),
         }
     )
+    if plan.peer_copy:
+        env[PEER_COPY] = "1"
     if plan.global_batch_size is not None:
         env[GLOBAL_BATCH_SIZE] = str(plan.global_batch_size)
         env[LOCAL_BATCH_SIZE] = str(local_batch_size(plan.global_batch_size, plan.world_size, rank))

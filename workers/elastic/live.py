@@ -169,17 +169,25 @@ def sync(
     (a joiner passes -1), tensor by tensor (handover.py). Free when every rank agrees. A
     sharded model passes its replicas' group (`sharded.replicas`): each shard comes from a
     rank that holds the same shard."""
-    global _owed, _due
     if not enabled():
         return step
+    steps = agree(step)
+    members = dist.get_process_group_ranks(group) if group else range(len(steps))
+    handover.transfer(model, optim, [steps[r] for r in members], others, group)
+    return max(steps)
+
+
+def agree(step: int) -> list[int]:
+    """Collective, at a live generation's start (`sync` calls it; a loop that moves its state
+    itself, such as a pure FSDP job's reshard in sharded.py, calls it instead): every rank's
+    step (a joiner's -1), in rank order; and the notice checkpoint a parked rank owes passes
+    to this generation (`checkpoint_owed`)."""
+    global _owed, _due
     held = [(0, None)] * dist.get_world_size()
     dist.all_gather_object(held, (step, _owed))
     _owed = None  # this generation owes it now
     _due = next((owed for _, owed in held if owed is not None), None)
-    members = dist.get_process_group_ranks(group) if group else range(len(held))
-    newest = max(s for s, _ in held)
-    handover.transfer(model, optim, [held[r][0] for r in members], others, group)
-    return newest
+    return [s for s, _ in held]
 
 
 def next_generation(step: int) -> elastic.Settings | None:

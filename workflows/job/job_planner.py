@@ -271,6 +271,7 @@ def generation_plan(state: JobState, next_members: list[int] | None = None) -> G
         graceful_shutdown_s=spec.elastic.graceful_shutdown_timeout_s,
         resize=spec.elastic.resize,
         collective_timeout_s=spec.elastic.collective_timeout_s,
+        peer_copy=spec.elastic.peer_copy,
     )
 
 
