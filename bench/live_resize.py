@@ -113,15 +113,15 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
             n * args.procs_per_node: {"lr": 0.02 if ddp else 3e-3, "ckpt_every": args.ckpt_every}
             for n in range(1, NODES + 1)
         },
-        # "live-thread": live resize, background checkpoints written from a thread of the
-        # training process (as before the writer process), for a side-by-side comparison
-        "env": {checkpoint_writer.PROCESS_FROM_ENV: "1e9"} if mode == "live-thread" else {},
+        # "live-process": live resize, background checkpoints written by the writer process
+        # (spotrain.elastic.checkpoint_writer), for a side-by-side comparison
+        "env": {checkpoint_writer.WRITER_ENV: "process"} if mode == "live-process" else {},
         "checkpoint": f"file://{root / 'ckpt' / name}",
         "checkpoint_keep": 100,  # (every notice's checkpoint record stays to be reported)
         "elastic": {
             "min_nodes": 1,
             "max_nodes": NODES,
-            "resize": mode.removesuffix("-thread"),
+            "resize": mode.removesuffix("-process"),
             "graceful_shutdown_timeout_s": 60,
             "scaling_timeout_s": 1,
             "faulty_scale_down_timeout_s": 0,
@@ -390,9 +390,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--modes",
         nargs="+",
-        choices=["restart", "live", "live-thread"],
+        choices=["restart", "live", "live-process"],
         default=["restart", "live"],
-        help="live-thread: live, background checkpoints written from a thread (as before)",
+        help="live-process: live, background checkpoints written by a process of their own",
     )
     parser.add_argument(
         "--params",

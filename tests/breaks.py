@@ -473,6 +473,13 @@ HANDOVER_BREAKS = [
         CW("test_a_background_save_writes_in_a_process_of_its_own_at_nice_19"),
     ),
     Break(
+        "background checkpoint: from a thread unless the process is asked for",
+        "workers/elastic/checkpoint_writer.py",
+        'asked = os.environ.get(WRITER_ENV) or "thread"',
+        'asked = os.environ.get(WRITER_ENV) or "process"',
+        CW("test_unless_the_process_is_asked_for_the_save_writes_from_a_thread"),
+    ),
+    Break(
         "background checkpoint: the shared-memory copy is cached",
         "workers/elastic/checkpoint_writer.py",
         "if _stager is None:",

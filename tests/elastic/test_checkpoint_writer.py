@@ -20,11 +20,12 @@ from spotrain.elastic import checkpoint, checkpoint_writer  # noqa: E402
 
 @pytest.fixture
 def writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A fresh decision, stager and writer process for each test, for states of any size;
-    the process killed after."""
+    """The writer process asked for, and a fresh decision, stager and process for each test,
+    for states of any size; the process killed after."""
     for name in ("_use_process", "_stager", "_writer"):
         monkeypatch.setattr(checkpoint_writer, name, None)
     monkeypatch.setattr(checkpoint_writer, "PROCESS_FROM_BYTES", 0)
+    monkeypatch.setenv(checkpoint_writer.WRITER_ENV, "process")
     yield
     if (pid := checkpoint_writer.pid()) is not None:
         os.kill(pid, signal.SIGKILL)
@@ -108,6 +109,30 @@ def test_a_small_state_is_written_from_a_thread(
     save_in_background({"w": torch.ones(1000)}, tmp_path / "ckpt")
     assert checkpoint_writer.pid() is None
     assert torch.equal(loaded(tmp_path / "ckpt", {"w": torch.ones(1000)})["w"], torch.ones(1000))
+
+
+@pytest.mark.parametrize("asked", [None, "thread", "proces"])
+def test_unless_the_process_is_asked_for_the_save_writes_from_a_thread(
+    writer: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture,
+    asked: str | None,
+) -> None:
+    """The thread is the default (it measured better where ranks train on the CPU); a value
+    the rank does not know is said once, not taken for either."""
+    if asked is None:
+        monkeypatch.delenv(checkpoint_writer.WRITER_ENV)
+    else:
+        monkeypatch.setenv(checkpoint_writer.WRITER_ENV, asked)
+    state = {"w": torch.ones(1000)}
+    save_in_background(state, tmp_path / "ckpt")
+    save_in_background(state, tmp_path / "again")
+    assert checkpoint_writer.pid() is None
+    err = capfd.readouterr().err
+    told = "background checkpoints write from a thread: SPOTRAIN_CHECKPOINT_WRITER='proces'"
+    assert err.count(told) == (asked == "proces"), err
+    assert torch.equal(loaded(tmp_path / "again", state)["w"], torch.full((1000,), 1001.0))
 
 
 def test_without_room_in_dev_shm_the_save_writes_from_a_yielding_thread(

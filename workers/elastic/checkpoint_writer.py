@@ -1,13 +1,17 @@
-"""Where a background checkpoint is written: in a process of its own at nice 19, from a
-shared-memory copy of the state, not in a thread of the training process.
+"""Where a background checkpoint is written: from a thread of the training process (the
+default), or, asked for with SPOTRAIN_CHECKPOINT_WRITER=process, in a process of its own at
+nice 19, from a shared-memory copy of the state.
 
-Why: a writing thread shares the training process's GIL, and `torch.save` holds it through
-long native stretches (the copy into the file, the zip record's checksum). At nice 19 on
-cores that train, such a thread waits long for a core while it holds the GIL, so every op
-training dispatches from Python waits behind it: the write's pause lands on the steps it was
-meant to spare. A process of its own only takes what the cores leave idle.
+Why a process: a writing thread shares the training process's GIL, and `torch.save` holds it
+through long native stretches (the copy into the file, the zip record's checksum). At nice 19
+on busy cores such a thread can wait for a core while it holds the GIL, and every op training
+dispatches from Python waits behind it. Why not by default: measured with ranks that train on
+the CPU (docs/concepts/resize.md, 100M parameters), the thread paused training less on an
+otherwise idle machine (0.60 s against 1.40 s per notice beyond a step); the process was ahead
+only with the machine oversubscribed ten times over. Where the cores do not train (GPU nodes)
+the process is the better bet, but unmeasured here.
 
-How (`async_save` in checkpoint.py):
+How, with the process (`save_in_background` in checkpoint.py):
 - The state is staged into shared memory, cached across saves (the same buffers each time:
   after the first save, staging is a copy, with no allocation or page faults). The rank thus
   keeps a copy of its checkpointed state in `/dev/shm` for its lifetime.
@@ -15,10 +19,10 @@ How (`async_save` in checkpoint.py):
   (`write_data`) goes to the writer process as the planned items, whose tensors travel as
   shared-memory handles, not bytes.
 - The writer process starts on the first background save and ends with the training process
-  (it reads until its pipe closes). A state under 64 MB (SPOTRAIN_CHECKPOINT_PROCESS_FROM_MB)
-  is written from a thread (at nice 19: briefly), and so is any where `/dev/shm` has no room
-  for it (a container with the default 64 MB and no memory volume mounted there): the rank
-  says so once.
+  (it reads until its pipe closes). A state under 64 MB is still written from a thread
+  (starting a Python with torch costs more than it spares), and so is any where `/dev/shm`
+  has no room for it (a container with the default 64 MB and no memory volume mounted there):
+  the rank says so once.
 """
 
 from __future__ import annotations
@@ -37,11 +41,10 @@ from torch.distributed.tensor import DTensor
 
 SHM = "/dev/shm"
 NICE = 19
-# Smaller states are written from a thread: they hold the GIL briefly, and starting the
-# writer process (a Python with torch) would cost more than it spares. The environment can
-# move the bar (a huge value keeps every write in a thread, as before the writer process).
-PROCESS_FROM_ENV = "SPOTRAIN_CHECKPOINT_PROCESS_FROM_MB"
-PROCESS_FROM_BYTES = float(os.environ.get(PROCESS_FROM_ENV) or 64) * 2**20  # (inf: never)
+WRITER_ENV = "SPOTRAIN_CHECKPOINT_WRITER"  # "thread" (the default) or "process"
+# Smaller states are written from a thread even so: they hold the GIL briefly, and starting
+# the writer process (a Python with torch) would cost more than it spares.
+PROCESS_FROM_BYTES = 64 * 2**20
 
 _stager: DefaultStager | None = None
 _use_process: bool | None = None  # decided at the first background save
@@ -57,21 +60,31 @@ def stager(state: dict[str, Any]) -> AsyncStager | None:
     if needed < PROCESS_FROM_BYTES:
         return None
     if _use_process is None:  # (once: the copy cached there counts against it afterwards)
-        free = shm_free()
-        _use_process = free > needed * 1.25
-        if not _use_process:
-            print(
-                f"background checkpoints write from a thread: {SHM} has {free / 2**20:.0f} MiB"
-                f" free, the state needs {needed / 2**20:.0f} MiB there (mount a memory volume"
-                " at /dev/shm)",
-                file=sys.stderr,
-                flush=True,
-            )
+        _use_process = _process_fits(needed)
     if not _use_process:
         return None
     if _stager is None:
         _stager = DefaultStager(StagingOptions(False, True, False, False))  # (shared memory)
     return _stager
+
+
+def _process_fits(needed: int) -> bool:
+    """Whether the environment asks for the writer process and `/dev/shm` has room for a
+    state of `needed` bytes; where it asks but cannot have it, the rank says why."""
+    asked = os.environ.get(WRITER_ENV) or "thread"
+    if asked == "thread":
+        return False
+    if asked != "process":
+        why = f"{WRITER_ENV}={asked!r} is neither thread nor process"
+    elif (free := shm_free()) > needed * 1.25:
+        return True
+    else:
+        why = (
+            f"{SHM} has {free / 2**20:.0f} MiB free, the state needs {needed / 2**20:.0f} MiB"
+            " there (mount a memory volume at /dev/shm)"
+        )
+    print(f"background checkpoints write from a thread: {why}", file=sys.stderr, flush=True)
+    return False
 
 
 def shm_free() -> int:
