@@ -179,8 +179,8 @@ def overheads(watch: ControlWatch, times: Path) -> list[float]:
     out = []
     for g, event in sorted(watch.seen.items()):
         stopping, starting = script_times(times, g), script_times(times, g + 1)
-        if not starting or not all("acked" in t for t in stopping):
-            continue
+        if not starting or not stopping or not all("acked" in t for t in stopping):
+            continue  # (a generation stopped before its ranks began, under load: no sample)
         running = max(t["first_step"] for t in starting)
         checkpoint = max(t["acked"] - t["event_seen"] for t in stopping)
         startup = max(t["first_step"] - t["first_line"] for t in starting)

@@ -556,6 +556,19 @@ PEER_COPY_BREAKS = [
     ),
 ]
 
+# --- the CLI ---------------------------------------------------------------------------------
+CLI_BREAKS = [
+    Break(
+        "an update aborted by a failed workflow task is tried again",
+        "workers/cli/support.py",
+        "if not task_failed(e) or time.monotonic() > deadline:",
+        "if True:",
+        _in("cli/test_update_retry.py")(
+            "test_an_update_aborted_by_a_failed_workflow_task_is_tried_again"
+        ),
+    ),
+]
+
 # --- the suite's own guards: step-time records, hypothesis, long-list diffs ------------------
 SUITE_BREAKS = [
     Break(
@@ -649,5 +662,6 @@ BREAKS = (
     + EC2_BREAKS
     + HANDOVER_BREAKS
     + PEER_COPY_BREAKS
+    + CLI_BREAKS
     + SUITE_BREAKS
 )

@@ -121,6 +121,11 @@ def test_the_accounting_completes_only_a_step_some_rank_finished() -> None:
         through_held({0: entries(0, 4), 1: entries(1, 4)}, 5)
 
 
+def rank_logs(root: Path) -> str:
+    """The tail of every rank log under a local runtime's root, for a failure's message."""
+    return "\n".join(f"{p}:\n{p.read_text()[-3000:]}" for p in sorted(root.rglob("rank-*.log")))
+
+
 def notice_checkpoints(location: str) -> list[dict[str, Any]]:
     return [r for r in JobStore(location).checkpoints() if r["kind"] == "notice"]
 
@@ -167,7 +172,7 @@ def test_survivors_keep_training_through_shrink_and_growth(tmp_path: Path) -> No
     run_until(env, rt, gen1, s0 + 12)
     deadline = time.monotonic() + 60  # (written beside training: done when it is done)
     while not (written := notice_checkpoints(gen1.checkpoint)):
-        assert time.monotonic() < deadline, "the notice's checkpoint was never written"
+        assert time.monotonic() < deadline, rank_logs(tmp_path / "rt")
         time.sleep(0.1)
     assert [(r["step"], r["generation"]) for r in written] == [(s0, 1)], written
     assert 0 < written[0]["after_notice_s"] < 30 and written[0]["blocked_s"] < 1

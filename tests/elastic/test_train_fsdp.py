@@ -90,6 +90,24 @@ def first_steps(rec: dict[int, list[dict]]) -> list[int]:
     return [e["step"] for e in rec[0]]
 
 
+def lose_node_0(
+    env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan, tmp_path: Path
+) -> int:
+    """Node-0 of a live 3-node generation lost without notice: the other four ranks park
+    having lost at most the step in flight; the step they hold."""
+    assert rt.kill_node("fsdp", "node-0") == [0, 1]
+    lost = stop_generation(
+        env, rt, p, graceful=False, grace_s=20, live=True, lost_node_ids=["node-0"]
+    )
+    held = lost.held_step
+    assert lost.acked_ranks == [2, 3, 4, 5] and held is not None
+    reached = max(
+        e["step"] for entries in records(tmp_path, p.generation, "fsdp").values() for e in entries
+    )
+    assert reached - held <= 1, (reached, held)
+    return held
+
+
 def test_restart_resizes_reshard_through_checkpoints(tmp_path: Path) -> None:
     """2 -> 3 -> 2 nodes (4 -> 6 -> 4 ranks) by restart: each generation loads the last one's
     checkpoint onto its own mesh, and ends where an uninterrupted run does."""
@@ -136,14 +154,7 @@ def test_live_growth_and_a_replica_lost_without_notice(tmp_path: Path) -> None:
 
     # node-0 lost: node-1's processes, ranks 2, 3 of a 2 x 2 mesh in generation 0, become
     # ranks 0, 1 of an equal one (sharded._forget_meshes)
-    assert rt.kill_node("fsdp", "node-0") == [0, 1]
-    lost = stop_generation(
-        env, rt, gen1, graceful=False, grace_s=20, live=True, lost_node_ids=["node-0"]
-    )
-    held = lost.held_step
-    assert lost.acked_ranks == [2, 3, 4, 5] and held is not None
-    reached = max(e["step"] for entries in records(tmp_path, 1, "fsdp").values() for e in entries)
-    assert reached - held <= 1, (reached, held)
+    held = lose_node_0(env, rt, gen1, tmp_path)
     gen2 = plan(tmp_path, 2, [1, 2], live=True)
     env.run(rt.start_generation, gen2)
     assert pids(rt, 2, "fsdp")[0] == pids(rt, 1, "fsdp")[2]  # node-1's processes, renumbered
@@ -182,14 +193,7 @@ def test_pure_fsdp_reshards_live_and_a_lost_node_comes_back_from_its_peer_copy(
     env.run(rt.start_generation, gen1)
     run_until(env, rt, gen1, s0 + 10)
 
-    assert rt.kill_node("fsdp", "node-0") == [0, 1]
-    lost = stop_generation(
-        env, rt, gen1, graceful=False, grace_s=20, live=True, lost_node_ids=["node-0"]
-    )
-    held = lost.held_step
-    assert lost.acked_ranks == [2, 3, 4, 5] and held is not None
-    reached = max(e["step"] for entries in records(tmp_path, 1, "fsdp").values() for e in entries)
-    assert reached - held <= 1, (reached, held)
+    held = lose_node_0(env, rt, gen1, tmp_path)
     gen2 = plan(tmp_path, 2, [1, 2], live=True, peer_copy=True)
     env.run(rt.start_generation, gen2)
     assert run_to_end(env, rt, gen2).exit_codes == dict.fromkeys(range(2 * PROCS), 0)

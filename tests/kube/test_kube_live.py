@@ -178,7 +178,7 @@ def test_pods_survive_shrink_and_growth(
     run_until(runtime, gen2, s1 + 12, kubelet)
     deadline = time.monotonic() + 60
     while [(r["step"], r["generation"]) for r in notice_checkpoints(gen2.checkpoint)] != [(s1, 2)]:
-        assert time.monotonic() < deadline, notice_checkpoints(gen2.checkpoint)
+        assert time.monotonic() < deadline, (notice_checkpoints(gen2.checkpoint), logs(kubelet))
         time.sleep(0.1)
 
     # Growth onto a new node: its pod is made ahead (a head start) and takes the state from

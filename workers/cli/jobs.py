@@ -34,6 +34,7 @@ from spotrain.workers.cli.support import (
     build_report,
     client,
     err,
+    execute_update,
     is_running,
     job,
     out,
@@ -158,7 +159,7 @@ async def wait_for(handle: WorkflowHandle[Any, Any], interval: float) -> int:
 async def update(args: argparse.Namespace, name: str, payload: Any) -> int:
     handle = await job(args)
     try:
-        message = await handle.execute_update(name, payload, result_type=str)
+        message = await execute_update(handle, name, payload)
     except WorkflowUpdateFailedError as e:
         reason = e.cause.message if isinstance(e.cause, ApplicationError) else str(e.cause)
         raise CliError(f"{name} rejected: {reason}") from None

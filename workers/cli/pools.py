@@ -15,7 +15,16 @@ from temporalio.client import WorkflowHandle, WorkflowQueryFailedError, Workflow
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from spotrain.workers.cli.support import OK, RPC_TIMEOUT, USAGE, CliError, client, emit_json, out
+from spotrain.workers.cli.support import (
+    OK,
+    RPC_TIMEOUT,
+    USAGE,
+    CliError,
+    client,
+    emit_json,
+    execute_update,
+    out,
+)
 from spotrain.workflows.capacity.pool import (
     POOL_ID_PREFIX,
     PoolConfig,
@@ -89,7 +98,7 @@ async def cmd_pool_set(args: argparse.Namespace) -> int:
     current = await query_pool(handle)
     config = pool_config(args, current.config.model_dump())
     try:
-        message = await handle.execute_update("configure", config, result_type=str)
+        message = await execute_update(handle, "configure", config)
     except WorkflowUpdateFailedError as e:
         raise CliError(f"configure rejected: {e.cause}") from None
     out.print(message)

@@ -6,8 +6,11 @@ unknown one, build a report). The command modules import these and never each ot
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -35,6 +38,7 @@ OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 JOB_FAILED = "JobFailed"  # the workflow's failure type; details[0] is the JobResult
 RPC_TIMEOUT = timedelta(seconds=15)
 STUCK_ATTEMPT = 2  # the workflow task failed (or timed out) at least once and is retried
+UPDATE_RETRY_S = 60.0  # how long an update aborted by a failed workflow task is tried again
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -76,6 +80,29 @@ def rpc_error(e: RPCError, job: str | None) -> CliError:
     if "search attribute" in e.message.lower():
         hint = "\n  register spotrain's search attributes: see docs/cli.md"
     return CliError(f"Temporal refused: {e.message}{hint}")
+
+
+async def execute_update(handle: WorkflowHandle[Any, Any], name: str, payload: Any) -> str:
+    """The update's answer. A workflow task can fail for a moment (the SDK fails one that
+    runs over 2 s, as on a starved worker), and Temporal then aborts any update it carried,
+    unapplied: tried again, with the same update id, for `UPDATE_RETRY_S`."""
+    update_id = f"cli-{name}-{uuid.uuid4().hex}"
+    deadline = time.monotonic() + UPDATE_RETRY_S
+    while True:
+        try:
+            return await handle.execute_update(name, payload, id=update_id, result_type=str)
+        except RPCError as e:
+            if not task_failed(e) or time.monotonic() > deadline:
+                raise
+            err.print(f"{handle.id}: its workflow task failed; trying {name} again...")
+            await asyncio.sleep(1)
+
+
+def task_failed(e: RPCError) -> bool:
+    """Whether Temporal refused an update because the workflow's task failed (the server's
+    two wordings: the task failed with the update, or was failing when it came)."""
+    message = e.message.lower()
+    return "workflow task failure" in message or "workflow task in failed state" in message
 
 
 async def job(args: argparse.Namespace) -> WorkflowHandle[Any, Any]:

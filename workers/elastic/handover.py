@@ -201,9 +201,14 @@ def _allocate(
 
 def _empty(spec: TensorSpec, device: torch.device, param: torch.Tensor) -> torch.Tensor:
     local = torch.empty(spec.shape, dtype=spec.dtype, device="cpu" if spec.on_cpu else device)
-    if not spec.sharded:
+    return laid_out_like(local, param) if spec.sharded else local
+
+
+def laid_out_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`local` as this rank's shard of a tensor sharded as `param` (a DTensor) is; `local`
+    itself where `param` is a plain tensor."""
+    if not isinstance(param, DTensor):
         return local
-    assert isinstance(param, DTensor)
     return DTensor.from_local(
         local,
         param.device_mesh,

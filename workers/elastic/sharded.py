@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor, Shard, debug
 from torch.distributed.tensor._redistribute import _gen_transform_infos
 
 from spotrain import elastic
-from spotrain.elastic import live
+from spotrain.elastic import handover, live
 
 REPLICATE, SHARD = "replicate", "shard"
 WINDOW = 8  # tensors whose transfers are in flight at once in a reshard
@@ -435,16 +435,7 @@ def _skeleton(optim: torch.optim.Optimizer) -> dict[str, Any]:
 def _empty_like(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor laid out like `param` (a DTensor: on its mesh, its shard)."""
     local = torch.empty(_local(param).shape, dtype=dtype, device=_local(param).device)
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(
-        local,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    return handover.laid_out_like(local, param)
 
 
 def _wait(works: list[tuple[dist.Work, torch.Tensor]]) -> None:
