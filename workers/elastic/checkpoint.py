@@ -73,8 +73,8 @@ def _s3_settings() -> tuple[str, Any, str | None]:
 
 class _Yielding:
     """A DCP writer whose writing thread yields the CPU to training (nice 19 for that thread
-    alone): an asynchronous save insures, it is not urgent. Where the writer process cannot
-    be used (checkpoint_writer.py)."""
+    alone): an asynchronous save insures, it is not urgent. The default (checkpoint_writer.py
+    says when the writer process writes instead)."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         if threading.current_thread() is not threading.main_thread():
