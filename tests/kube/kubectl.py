@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,22 @@ def kubectl_fixture(control_plane: ControlPlane) -> Kubectl:
     """kubectl as the cluster's admin, the spotrain CRDs applied and established."""
     kubectl = Kubectl(kubectl_binary(control_plane), control_plane.admin_kubeconfig)
     kubectl("apply", "-f", str(CRDS))
-    kubectl(
-        "wait", "--for=condition=Established", "crd", "-l", "app.kubernetes.io/part-of=spotrain"
-    )
-    return kubectl
+    # `kubectl wait` fails at once, not waits, on a CRD the apiserver has not yet given any
+    # condition ("accessor error: <nil>"): seen in CI on a loaded machine. Asked again then.
+    deadline = time.monotonic() + 60
+    while True:
+        wait = (
+            "wait",
+            "--for=condition=Established",
+            "crd",
+            "-l",
+            "app.kubernetes.io/part-of=spotrain",
+        )
+        done = kubectl(*wait, check=False)
+        if done.returncode == 0:
+            return kubectl
+        if "accessor error" not in done.stderr or time.monotonic() > deadline:
+            raise AssertionError(
+                f"kubectl {' '.join(wait)} exited {done.returncode}:\n{done.stderr}"
+            )
+        time.sleep(0.5)

@@ -5,6 +5,7 @@ finishing once it is."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -173,7 +174,10 @@ async def test_budget_pause_and_raise_on_the_dev_server(dev_env: WorkflowEnviron
         result = await handle.result()
         await record_history(handle, "budget_pause")
     assert paused.paused_reason is not None
-    assert paused.paused_reason.startswith("budget reached: $0.05 of $0.05")
+    # Spend is checked at each progress report (0.25 s here): on a loaded machine one comes
+    # late and the cap is passed by that much (seen in CI: $0.06). Within 4.6 s of 4 nodes.
+    spent = re.match(r"budget reached: \$(\d+\.\d\d) of \$0\.05", paused.paused_reason)
+    assert spent and 0.05 <= float(spent[1]) < 0.10, paused.paused_reason
     assert held == [] and 0 < paused.step < 600
     assert "budget spent" in str(refused.value.cause)
     assert result.steps_done == 600 and result.total_cost < 1.0
