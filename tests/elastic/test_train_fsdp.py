@@ -108,6 +108,23 @@ def lose_node_0(
     return held
 
 
+def assert_ended_live(
+    tmp_path: Path, rt: LocalRuntime, last: GenerationPlan, s0: int, held: int
+) -> None:
+    """Three live generations (growth parked at `s0`, a loss at `held`, then `last`): every
+    sample consumed once, nothing loaded from disk, an uninterrupted run's weights, no rank
+    left running."""
+    rec = [records(tmp_path, g, "fsdp") for g in range(3)]
+    rec1 = through_held(rec[1], held, GLOBAL_BATCH)
+    assert consumed([(rec[0], s0), (rec1, held), (rec[2], TOTAL_STEPS)]) == list(
+        range(TOTAL_STEPS * GLOBAL_BATCH)
+    )
+    store = JobStore(last.checkpoint)
+    assert store.loaded_step(1) is None and store.loaded_step(2) is None  # nothing from disk
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "ref")
+    assert not any(r.alive() for g in range(3) for r in rt._ranks("fsdp", g))
+
+
 def test_restart_resizes_reshard_through_checkpoints(tmp_path: Path) -> None:
     """2 -> 3 -> 2 nodes (4 -> 6 -> 4 ranks) by restart: each generation loads the last one's
     checkpoint onto its own mesh, and ends where an uninterrupted run does."""
@@ -163,14 +180,7 @@ def test_live_growth_and_a_replica_lost_without_notice(tmp_path: Path) -> None:
 
     rec = [records(tmp_path, g, "fsdp") for g in range(3)]
     assert first_steps(rec[1])[0] == s0 + 1 and first_steps(rec[2])[0] == held + 1
-    rec1 = through_held(rec[1], held, GLOBAL_BATCH)
-    assert consumed([(rec[0], s0), (rec1, held), (rec[2], TOTAL_STEPS)]) == list(
-        range(TOTAL_STEPS * GLOBAL_BATCH)
-    )
-    store = JobStore(gen2.checkpoint)
-    assert store.loaded_step(1) is None and store.loaded_step(2) is None  # nothing from disk
-    assert_same_weights(tmp_path / "fsdp", tmp_path / "ref")
-    assert not any(r.alive() for g in range(3) for r in rt._ranks("fsdp", g))
+    assert_ended_live(tmp_path, rt, gen2, s0, held)
 
 
 def test_pure_fsdp_reshards_live_and_a_lost_node_comes_back_from_its_peer_copy(
@@ -206,11 +216,4 @@ def test_pure_fsdp_reshards_live_and_a_lost_node_comes_back_from_its_peer_copy(
     rec = [records(tmp_path, g, "fsdp") for g in range(3)]
     assert first_steps(rec[1])[0] == s0 + 1 and first_steps(rec[2])[0] == held + 1
     assert {e["world"] for e in rec[2][0]} == {4} and all(e["copy_s"] > 0 for e in rec[2][0])
-    rec1 = through_held(rec[1], held, GLOBAL_BATCH)
-    assert consumed([(rec[0], s0), (rec1, held), (rec[2], TOTAL_STEPS)]) == list(
-        range(TOTAL_STEPS * GLOBAL_BATCH)
-    )
-    store = JobStore(gen2.checkpoint)
-    assert store.loaded_step(1) is None and store.loaded_step(2) is None  # nothing from disk
-    assert_same_weights(tmp_path / "fsdp", tmp_path / "ref")
-    assert not any(r.alive() for g in range(3) for r in rt._ranks("fsdp", g))
+    assert_ended_live(tmp_path, rt, gen2, s0, held)
