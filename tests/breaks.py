@@ -487,6 +487,15 @@ HANDOVER_BREAKS = [
         CW("test_staging_reuses_its_shared_memory_copy_across_saves"),
     ),
     Break(
+        "live notice: a rank parked on its peers' flag still owes the checkpoint",
+        "workers/elastic/live.py",
+        "event = elastic.store().control_record(generation) or {}",
+        "event = elastic.elastic_event() or {}",
+        _in("elastic/test_elastic_lib.py")(
+            "test_a_rank_that_heard_of_a_notice_only_from_its_peers_still_owes_its_checkpoint"
+        ),
+    ),
+    Break(
         "hand-over: every rank at the newest step gives",
         HO_PY,
         "sources=[r for r, s in enumerate(steps) if s == top],",

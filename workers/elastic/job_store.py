@@ -331,9 +331,12 @@ class JobStore:
     def write_control(self, generation: int, record: dict[str, Any]) -> None:
         self.store.put_json(self.control_key(generation), record)
 
+    def control_record(self, generation: int) -> dict[str, Any] | None:
+        return self.store.get_json(self.control_key(generation))
+
     def stopping(self, generation: int) -> bool:
         """The generation's control record asks it to stop (its elastic event is raised)."""
-        return (self.store.get_json(self.control_key(generation)) or {}).get("kind") == "stop"
+        return (self.control_record(generation) or {}).get("kind") == "stop"
 
     @classmethod
     def next_key(cls, generation: int) -> str:

@@ -205,7 +205,7 @@ def next_generation(step: int) -> elastic.Settings | None:
         elastic.store().write_ack(s.generation, s.rank, step, time.time())
         if not enabled():
             return None
-        _owe_notice_checkpoint()
+        _owe_notice_checkpoint(s.generation)
         env = _wait_for_place(s)
         if env is None:
             return None
@@ -260,10 +260,15 @@ def _tcp_sockets() -> dict[str, int]:
     return out
 
 
-def _owe_notice_checkpoint() -> None:
-    """Parking on a notice whose checkpoint comes after the resize: remember the notice."""
+def _owe_notice_checkpoint(generation: int) -> None:
+    """Parking on a notice whose checkpoint comes after the resize: remember the notice. As the
+    generation's control record says: a rank may have heard of the event only from its peers
+    (the all-reduced flag), before its own channel read the record."""
     global _owed
-    event = elastic.elastic_event() or {}
+    try:
+        event = elastic.store().control_record(generation) or {}
+    except Exception:  # the store unreachable for a moment: what this rank latched, if anything
+        event = elastic.elastic_event() or {}
     if event.get("checkpoint") == job_store.AFTER_RESIZE:
         notice = event.get("notice_at")
         _owed = datetime.fromisoformat(notice).timestamp() if notice else event.get("time", 0.0)
