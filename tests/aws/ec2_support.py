@@ -1,4 +1,5 @@
-"""Fault injection into moto's EC2 backend, for the EC2 provider tests.
+"""Fault injection into moto's EC2 backend, and the requests and lookups the EC2 provider
+tests share.
 
 moto never runs out of capacity, throttles or fails on its own. Its ThreadedMotoServer runs
 in this process, so patching `moto.ec2.models.EC2Backend` here changes what the server on the
@@ -13,9 +14,16 @@ from typing import Any
 import pytest
 from moto.ec2 import models
 from moto.ec2.exceptions import EC2ClientError
+from temporalio.testing import ActivityEnvironment
 from werkzeug.exceptions import HTTPException
 
+from spotrain.activities.ec2 import EC2Provider
+from spotrain.activities.ec2_ownership import find_instances
 from spotrain.workers.embedded.spot_market import terminate_as_reclaimed
+from spotrain.workflows.contract import LaunchRequest, NodeInfo
+from spotrain.workflows.spec import InstanceType, SpotPolicy
+
+ENV = ActivityEnvironment()
 
 
 class ServiceUnavailable(HTTPException):
@@ -65,3 +73,47 @@ def reclaim(instance_id: str, region: str = "us-east-1") -> None:
     """What a spot interruption looks like afterwards: terminated, with EC2's reclaim reason
     (the embedded stack's spot market does exactly this)."""
     terminate_as_reclaimed(instance_id, region)
+
+
+# --- requests and lookups -----------------------------------------------------------------
+
+
+def spot(job: str, slot: int = 0, **kw: Any) -> LaunchRequest:
+    fields: dict[str, Any] = {
+        "job": job,
+        "slot": slot,
+        "attempt": 0,
+        "generation": 1,
+        "lifecycle": "spot",
+        "instance_type": "p3.2xlarge",
+        "zone": "us-east-1b",
+        "max_price": 1.5,
+    } | kw
+    return LaunchRequest(**fields)
+
+
+def launch(provider: EC2Provider, req: LaunchRequest) -> NodeInfo:
+    return ENV.run(provider.launch_node, req)
+
+
+def job_instances(provider: EC2Provider, job: str) -> list[dict[str, Any]]:
+    return find_instances(provider.client(), [{"Name": "tag:spotrain:job", "Values": [job]}])
+
+
+def live(provider: EC2Provider, job: str) -> list[str]:
+    return [
+        i["InstanceId"]
+        for i in job_instances(provider, job)
+        if i["State"]["Name"] in {"pending", "running"}
+    ]
+
+
+def policy(**kw: Any) -> SpotPolicy:
+    fields: dict[str, Any] = {
+        "instance_types": [
+            InstanceType(name="g5.xlarge", gpus=1, on_demand_price=1.0),
+            InstanceType(name="g4dn.12xlarge", gpus=4, on_demand_price=3.912),
+        ],
+        "zones": ["us-east-1a", "us-east-1b", "us-east-1c"],
+    } | kw
+    return SpotPolicy(**fields)

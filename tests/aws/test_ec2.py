@@ -1,113 +1,45 @@
-"""The EC2 node provider against moto's EC2 server on a loopback port (real boto3, real HTTP).
+"""The EC2 node provider against moto's EC2 server on a loopback port (real boto3, real HTTP):
+launches, fleets, typed errors, describe, release and garbage collection. Offers, regions and
+IAM are in test_ec2_offers.py; the activities through a real Temporal worker in
+test_ec2_temporal.py.
 
 Capacity errors, throttling and 5xx are injected by patching moto's EC2 backend in-process
 (tests/aws/ec2_support.py): this is how moto can produce them at all. Activities run under
-temporalio's ActivityEnvironment (a real activity context, so heartbeats work), and once
-through a real Temporal worker to prove the names, payloads and typed errors cross it.
+temporalio's ActivityEnvironment (a real activity context, so heartbeats work).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import random
-import re
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 from botocore.exceptions import ClientError
-from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models import fleets as moto_fleets
 from moto.ec2.models import instances as moto_instances
-from moto.ec2.responses import EC2Response
-from temporalio import workflow
-from temporalio.client import WorkflowFailureError
-from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
-from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
-from temporalio.worker import Worker
+from temporalio.exceptions import ApplicationError
 
 from spotrain.activities import ec2 as ec2_mod
-from spotrain.activities import spot_scores
 from spotrain.activities.ec2 import EC2Provider
-from spotrain.activities.ec2_ownership import (
-    LIVE_STATES,
-    client_token,
-    find_instances,
-    find_orphans,
-    reap,
-    tags_of,
-)
-from spotrain.workers.worker import WORKFLOWS
+from spotrain.activities.ec2_ownership import client_token, find_orphans, reap, tags_of
 from spotrain.workflows import contract
-from spotrain.workflows.contract import (
-    DescribeRequest,
-    LaunchRequest,
-    NodeInfo,
-    Offer,
-    ReleaseRequest,
+from spotrain.workflows.contract import DescribeRequest, ReleaseRequest
+from tests.aws.ec2_support import (
+    ENV,
+    ServiceUnavailable,
+    ec2_error,
+    first_n,
+    inject,
+    job_instances,
+    launch,
+    live,
+    reclaim,
+    spot,
 )
-from spotrain.workflows.job.state import JobResult, JobStatus
-from spotrain.workflows.spec import InstanceType, SpotPolicy
-from tests.aws.ec2_support import ServiceUnavailable, ec2_error, first_n, inject, reclaim
-from tests.jobs import fast_runtime, fast_spec, polled
-
-ENV = ActivityEnvironment()
-POLICY = Path(__file__).resolve().parents[2] / "infra" / "aws" / "iam-policy.json"
-
-
-@pytest.fixture(scope="module")
-def provider(moto_endpoint: str) -> EC2Provider:
-    """Shared: creating an EC2 client loads botocore's EC2 model, about a second each."""
-    return EC2Provider(endpoint_url=moto_endpoint)
-
-
-@pytest.fixture(scope="module")
-def impatient(moto_endpoint: str) -> EC2Provider:
-    """botocore gives up after 2 attempts, so injected faults reach the caller."""
-    return EC2Provider(endpoint_url=moto_endpoint, max_attempts=2)
-
-
-@pytest.fixture
-def job() -> str:
-    """A fresh job name per test: the moto server is shared by the whole session."""
-    return f"job-{uuid.uuid4().hex[:8]}"
-
-
-def spot(job: str, slot: int = 0, **kw: Any) -> LaunchRequest:
-    fields: dict[str, Any] = {
-        "job": job,
-        "slot": slot,
-        "attempt": 0,
-        "generation": 1,
-        "lifecycle": "spot",
-        "instance_type": "p3.2xlarge",
-        "zone": "us-east-1b",
-        "max_price": 1.5,
-    } | kw
-    return LaunchRequest(**fields)
-
-
-def launch(provider: EC2Provider, req: LaunchRequest) -> NodeInfo:
-    return ENV.run(provider.launch_node, req)
-
-
-def job_instances(provider: EC2Provider, job: str) -> list[dict[str, Any]]:
-    return find_instances(provider.client(), [{"Name": "tag:spotrain:job", "Values": [job]}])
-
-
-def live(provider: EC2Provider, job: str) -> list[str]:
-    return [
-        i["InstanceId"]
-        for i in job_instances(provider, job)
-        if i["State"]["Name"] in {"pending", "running"}
-    ]
 
 
 @pytest.fixture
@@ -463,285 +395,3 @@ def test_gc_reaps_orphans_and_spares_live_jobs(provider: EC2Provider, job: str) 
     assert live(provider, job) == [] and live(provider, running_job) == [spared]
     assert not [o for o in reap(ec2, is_running) if o.job == job]
     ENV.run(provider.release_nodes, ReleaseRequest(job=running_job, node_ids=[spared]))
-
-
-# --- offers ----------------------------------------------------------------------------------
-
-
-def policy(**kw: Any) -> SpotPolicy:
-    fields: dict[str, Any] = {
-        "instance_types": [
-            InstanceType(name="g5.xlarge", gpus=1, on_demand_price=1.0),
-            InstanceType(name="g4dn.12xlarge", gpus=4, on_demand_price=3.912),
-        ],
-        "zones": ["us-east-1a", "us-east-1b", "us-east-1c"],
-    } | kw
-    return SpotPolicy(**fields)
-
-
-def test_find_offers_diversifies_and_respects_max_price(
-    provider: EC2Provider, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.INFO, logger=spot_scores.__name__):
-        offers = ENV.run(provider.find_offers, policy())
-        ENV.run(provider.find_offers, policy())
-    pools = {(o.instance_type, o.zone) for o in offers}
-    assert len(pools) == len(offers) and {z for _, z in pools} == {
-        "us-east-1a",
-        "us-east-1b",
-        "us-east-1c",
-    }
-    assert {o.zone for o in offers[:3]} == {"us-east-1a", "us-east-1b", "us-east-1c"}  # spread
-    # Same spot price everywhere (moto): the 4-GPU type is cheaper per GPU, in every zone first.
-    assert [o.instance_type for o in offers] == ["g4dn.12xlarge"] * 3 + ["g5.xlarge"] * 3
-    assert all(o.price == 0.00001 and o.score is None for o in offers)  # moto: no scores
-    # moto lacks the API: said once, quietly (no warning, no XML parser error)
-    ours = [r for r in caplog.records if r.name == spot_scores.__name__]  # not moto's
-    assert [(r.levelno, r.message) for r in ours] == [
-        (logging.INFO, "this EC2 endpoint has no spot placement scores: offers rank by price")
-    ]
-
-    assert ENV.run(provider.find_offers, policy(max_price=0.000001)) == []
-    assert {o.zone for o in ENV.run(provider.find_offers, policy(zones=["us-east-1d"]))} <= {
-        "us-east-1d"
-    }
-
-
-def test_refused_placement_scores_warn_naming_the_permission(
-    moto_endpoint: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def refused(_response: Any) -> None:
-        raise EC2ClientError("UnauthorizedOperation", "not authorized to GetSpotPlacementScores")
-
-    monkeypatch.setattr(EC2Response, "get_spot_placement_scores", refused, raising=False)
-    provider = EC2Provider(endpoint_url=moto_endpoint)
-    with caplog.at_level(logging.INFO, logger=spot_scores.__name__):
-        assert ENV.run(provider.find_offers, policy())  # still offers, by price
-    [warning] = [r for r in caplog.records if r.name == spot_scores.__name__]
-    assert warning.levelno == logging.WARNING
-    assert "UnauthorizedOperation" in warning.message
-    assert "grant ec2:GetSpotPlacementScores" in warning.message
-
-
-def test_spot_disabled_means_no_offers(provider: EC2Provider) -> None:
-    assert ENV.run(provider.find_offers, policy(enabled=False)) == []
-
-
-def test_more_regions_offer_launch_track_and_release_across_regions(
-    provider: EC2Provider, job: str
-) -> None:
-    """A job whose spot pools span two regions: offers come from both, a node lands in its
-    zone's region, and describe/release find it there (the home region alone would not)."""
-    two = policy(more_regions=["us-west-2"], zones=["us-east-1a", "us-west-2a"])
-    assert {o.zone for o in ENV.run(provider.find_offers, two)} == {"us-east-1a", "us-west-2a"}
-
-    where = {"region": "us-east-1", "more_regions": ["us-west-2"]}
-    west = launch(provider, spot(job, zone="us-west-2a", **where))
-    east = launch(provider, spot(job, slot=1, zone="us-east-1a", **where))
-    assert (west.zone, east.zone) == ("us-west-2a", "us-east-1a")
-    in_west = find_instances(
-        provider.client("us-west-2"), [{"Name": "tag:spotrain:job", "Values": [job]}]
-    )
-    assert [i["InstanceId"] for i in in_west] == [west.node_id]
-    assert live(provider, job) == [east.node_id]  # the home region holds only its own
-
-    ids = [west.node_id, east.node_id]
-    described = ENV.run(provider.describe_nodes, DescribeRequest(job=job, node_ids=ids, **where))
-    assert [n.state for n in described] == ["ready", "ready"]
-    home_only = ENV.run(provider.describe_nodes, DescribeRequest(job=job, node_ids=ids))
-    assert [n.reason for n in home_only] == ["not-found", None]
-
-    released = ENV.run(provider.release_nodes, ReleaseRequest(job=job, node_ids=ids, **where))
-    assert sorted(released) == sorted(ids)
-    west_state = provider.client("us-west-2").describe_instances(InstanceIds=[west.node_id])
-    assert west_state["Reservations"][0]["Instances"][0]["State"]["Name"] in {
-        "shutting-down",
-        "terminated",
-    }
-    assert live(provider, job) == []
-
-
-# --- configuration and IAM -------------------------------------------------------------------
-
-
-def test_from_env() -> None:
-    env = {
-        "SPOTRAIN_EC2_ENDPOINT": "http://127.0.0.1:5000",
-        "SPOTRAIN_AMI": "ami-12345678",
-        "SPOTRAIN_SUBNETS": "us-east-1a=subnet-a, us-east-1b=subnet-b",
-    }
-    provider = EC2Provider.from_env(env)
-    assert provider.launch_mode == "instances"
-    assert EC2Provider.from_env({"SPOTRAIN_EC2_LAUNCH": "fleet"}).launch_mode == "fleet"
-    with pytest.raises(ValueError, match="SPOTRAIN_EC2_LAUNCH"):
-        EC2Provider.from_env({"SPOTRAIN_EC2_LAUNCH": "fleets"})
-    assert (provider.endpoint_url, provider.amis, provider.launch_template) == (
-        "http://127.0.0.1:5000",
-        {"*": "ami-12345678"},
-        None,
-    )
-    assert provider.subnets == {"us-east-1a": "subnet-a", "us-east-1b": "subnet-b"}
-    with pytest.raises(ValueError, match="zone=id"):
-        EC2Provider.from_env({"SPOTRAIN_SUBNETS": "subnet-a"})
-    regional = EC2Provider.from_env({"SPOTRAIN_AMI": "us-east-1=ami-1, us-west-2=ami-2"})
-    assert regional.amis == {"us-east-1": "ami-1", "us-west-2": "ami-2"}
-    with pytest.raises(ValueError, match="region=id"):
-        EC2Provider.from_env({"SPOTRAIN_AMI": "us-east-1=ami-1,ami-2"})
-
-
-def test_amis_are_regional(provider: EC2Provider) -> None:
-    east, west = provider.client("us-east-1"), provider.client("us-west-2")
-    on_aws = EC2Provider(amis={"us-east-1": "ami-1"})  # no local endpoint: nothing is guessed
-    assert on_aws._image(east) == "ami-1"
-    with pytest.raises(ApplicationError, match="no AMI configured for us-west-2") as err:
-        on_aws._image(west)
-    assert err.value.type == contract.CONFIG_ERROR
-    templated = EC2Provider(amis={"us-east-1": "ami-1"}, launch_template="gpu-nodes")
-    assert templated._image(west) is None  # the region's template brings its image
-    assert EC2Provider(amis={"*": "ami-any"})._image(west) == "ami-any"
-
-
-def test_iam_policy_is_valid_and_allows_every_call_the_provider_makes(
-    provider: EC2Provider,
-) -> None:
-    document = POLICY.read_text()
-    # moto's IAM validates the policy grammar the way IAM does (actions, ARNs, conditions).
-    iam = boto3.client("iam", endpoint_url=provider.endpoint_url, region_name="us-east-1")
-    iam.create_policy(PolicyName=f"spotrain-{uuid.uuid4().hex[:8]}", PolicyDocument=document)
-
-    allowed = {
-        action
-        for st in json.loads(document)["Statement"]
-        if st["Effect"] == "Allow"
-        for action in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
-    }
-    modules = Path(ec2_mod.__file__).parent.glob("ec2*.py")  # the provider and its ownership
-    source = "".join(module.read_text() for module in modules)
-    methods = set(re.findall(r"ec2\.(\w+)\(", source) + re.findall(r'paginator\("(\w+)"', source))
-    methods -= {"get_paginator", "describe_images"}  # describe_images: local endpoints only
-    api = provider.client().meta.method_to_api_mapping
-    needed = {f"ec2:{api[m]}" for m in methods} | {"ec2:CreateTags"}  # TagSpecifications
-    assert "ec2:RunInstances" in needed and needed <= allowed, needed - allowed
-
-
-# --- through a real Temporal worker ----------------------------------------------------------
-
-
-@workflow.defn(sandboxed=False)
-class EC2Probe:
-    """Calls the provider's activities by name, as TrainingJob does."""
-
-    @workflow.run
-    async def run(self, job: str) -> list[str]:
-        opts: dict[str, Any] = {
-            "start_to_close_timeout": timedelta(seconds=60),
-            "heartbeat_timeout": timedelta(seconds=10),
-            "retry_policy": RetryPolicy(initial_interval=timedelta(milliseconds=100)),
-        }
-        offers = await workflow.execute_activity(
-            contract.FIND_OFFERS, policy(), result_type=list[Offer], **opts
-        )
-        seen = []
-        for slot, offer in enumerate(offers[:2]):
-            req = spot(job, slot=slot, instance_type=offer.instance_type, zone=offer.zone)
-            try:
-                node = await workflow.execute_activity(
-                    contract.LAUNCH_NODE, req, result_type=NodeInfo, **opts
-                )
-                seen.append(f"{node.state}:{node.zone}")
-            except ActivityError as err:
-                assert isinstance(err.cause, ApplicationError)
-                seen.append(f"{err.cause.type}:{offer.zone}")
-        nodes = await workflow.execute_activity(
-            contract.DESCRIBE_NODES,
-            DescribeRequest(job=job, node_ids=[]),
-            result_type=list[NodeInfo],
-            **opts,
-        )
-        released = await workflow.execute_activity(
-            contract.RELEASE_NODES,
-            ReleaseRequest(job=job, node_ids=[n.node_id for n in nodes]),
-            result_type=list[str],
-            **opts,
-        )
-        return [*seen, f"released:{len(released)}"]
-
-
-async def test_activities_through_temporal(
-    dev_env: WorkflowEnvironment, provider: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    offers = ENV.run(provider.find_offers, policy())
-    bad = (offers[1].instance_type, offers[1].zone)
-    inject(
-        monkeypatch,
-        "run_instances",
-        ec2_error("InsufficientInstanceCapacity"),
-        lambda kw: (kw["instance_type"], kw["placement"]) == bad,
-    )
-    with ThreadPoolExecutor(4) as pool:
-        async with Worker(
-            dev_env.client,
-            task_queue=f"ec2-{job}",
-            workflows=[EC2Probe],
-            activities=provider.activities(),
-            activity_executor=pool,
-        ):
-            try:
-                result = await dev_env.client.execute_workflow(
-                    EC2Probe.run, job, id=f"ec2-probe-{job}", task_queue=f"ec2-{job}"
-                )
-            except WorkflowFailureError as err:
-                raise AssertionError(f"probe failed: {err.cause}") from err
-    assert result == [
-        f"ready:{offers[0].zone}",
-        f"{contract.CAPACITY_ERROR}:{offers[1].zone}",
-        "released:1",
-    ]
-    assert live(provider, job) == []
-
-
-async def test_training_job_across_regions_recovers_a_reclaim_and_leaks_nothing(
-    dev_env: WorkflowEnvironment, provider: EC2Provider
-) -> None:
-    """A TrainingJob (simulated workers) whose spot pools are only in its second region: its
-    nodes are bought there, a node reclaimed there is noticed (no webhook: the job's own check
-    describes it) and replaced there, and nothing is left running in either region."""
-    spec = fast_spec(
-        total_steps=300,
-        elastic={"min_nodes": 2, "max_nodes": 2},
-        spot={
-            "instance_types": [{"name": "g5.xlarge", "gpus": 1, "on_demand_price": 1.0}],
-            "more_regions": ["us-west-2"],
-            "zones": ["us-west-2a", "us-west-2b"],
-        },
-        on_demand={"fallback": False},
-    )
-    name, queue = spec["name"], f"regions-{spec['name']}"
-    with ThreadPoolExecutor(8) as pool:
-        async with Worker(
-            dev_env.client,
-            task_queue=queue,
-            workflows=WORKFLOWS,
-            activities=provider.activities() + fast_runtime().activities(),
-            activity_executor=pool,
-        ):
-            handle = await dev_env.client.start_workflow(
-                "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
-            )
-            status = await polled(
-                lambda: handle.query("status", result_type=JobStatus),
-                lambda s: s.phase == "Running" and s.step > 50,
-            )
-            first = next(n.node_id for n in status.nodes if n.state == "ready")
-            assert first is not None
-            reclaim(first, "us-west-2")
-            result = await handle.result()
-    assert result.phase == "Succeeded" and result.steps_done == 300, result.failure
-    assert result.faults + result.reclaims >= 1 and result.generations >= 2
-    ready = [e.detail for e in result.timeline if e.event == "node ready"]
-    assert len(ready) >= 3 and all(d.startswith("spot g5.xlarge us-west-2") for d in ready), ready
-    for region in ("us-east-1", "us-west-2"):
-        owned = find_instances(
-            provider.client(region), [{"Name": "tag:spotrain:job", "Values": [name]}]
-        )
-        assert [i for i in owned if i["State"]["Name"] in LIVE_STATES] == [], region

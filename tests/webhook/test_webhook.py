@@ -11,294 +11,54 @@ test certificate, and the tests check it is never asked for a URL off the SNS ho
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import boto3
 import pytest
-import pytest_asyncio
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives.asymmetric import rsa
 from openapi_spec_validator import validate
-from temporalio import workflow
 from temporalio.api.workflowservice.v1 import ListWorkflowExecutionsRequest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from spotrain.workers import webhook
 from spotrain.workers.embedded.binaries import temporal_cli
-from spotrain.workers.webhook.auth import AuthConfig, hmac_headers, sns_string_to_sign
+from spotrain.workers.webhook.auth import hmac_headers
 from spotrain.workers.webhook.events import PlainReclaim
-from spotrain.workers.webhook.server import (
-    NodeNames,
-    SqsPoller,
-    WebhookConfig,
-    WebhookService,
-)
-from spotrain.workflows.contract import NodeLost, ReclaimNotice
+from spotrain.workers.webhook.server import NodeNames, SqsPoller
 from spotrain.workflows.job import attributes
 from tests.kube.kube_double import KubeDouble
-
-TOKEN = "test-token-not-a-secret"
-HMAC_SECRET = "test-hmac-secret"
-TOPIC = "arn:aws:sns:us-east-1:123456789012:spotrain-reclaims"
-CERT_URL = "https://sns.us-east-1.amazonaws.com/SimpleNotificationService-0123abcd.pem"
-BEARER = {"Authorization": f"Bearer {TOKEN}"}
-OPENAPI = Path(webhook.__file__).with_name("openapi.yaml")
-
-
-@workflow.defn(name="RecordingJob")
-class RecordingJob:
-    """Stands in for TrainingJob: owns `node_ids` and records the signals it receives."""
-
-    def __init__(self) -> None:
-        self.signals: list[dict[str, Any]] = []
-
-    @workflow.run
-    async def run(self, node_ids: list[str]) -> None:
-        workflow.upsert_search_attributes([attributes.NODE_IDS.value_set(node_ids)])
-        await workflow.wait_condition(lambda: False)
-
-    @workflow.signal(name="reclaim")
-    def reclaim(self, notice: ReclaimNotice) -> None:
-        self.signals.append({"signal": "reclaim", **notice.model_dump(mode="json")})
-
-    @workflow.signal(name="node_lost")
-    def node_lost(self, lost: NodeLost) -> None:
-        self.signals.append({"signal": "node_lost", **lost.model_dump(mode="json")})
-
-    @workflow.query
-    def received(self) -> list[dict[str, Any]]:
-        return self.signals
-
-
-# --- fixtures and helpers shared with test_webhook_fuzz.py ----------------------------------
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
-@dataclass
-class Jobs:
-    client: Client
-    task_queue: str
-
-    async def start(self, *node_ids: str) -> WorkflowHandle[Any, Any]:
-        """A running RecordingJob, once the visibility query the webhook uses finds it."""
-        handle = await self.client.start_workflow(
-            "RecordingJob", list(node_ids), id=f"rec-{uuid.uuid4()}", task_queue=self.task_queue
-        )
-        query = f"SpotrainNodeIds = '{node_ids[0]}' AND ExecutionStatus = 'Running'"
-
-        async def visible() -> bool:
-            return any([w.id == handle.id async for w in self.client.list_workflows(query)])
-
-        await eventually(visible)
-        return handle
-
-
-async def received(handle: WorkflowHandle[Any, Any]) -> list[dict[str, Any]]:
-    return await handle.query("received")
-
-
-@contextlib.asynccontextmanager
-async def recording_worker(client: Client) -> AsyncIterator[Jobs]:
-    task_queue = f"webhook-{uuid.uuid4()}"
-    async with Worker(
-        client,
-        task_queue=task_queue,
-        workflows=[RecordingJob],
-        workflow_runner=UnsandboxedWorkflowRunner(),  # a test double, no sandbox needed
-    ):
-        yield Jobs(client, task_queue)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def jobs(dev_env: WorkflowEnvironment) -> AsyncIterator[Jobs]:
-    async with recording_worker(dev_env.client) as recording:
-        yield recording
-
-
-def _cert(
-    subject: str, key: rsa.RSAPrivateKey, issuer: tuple[x509.Certificate, rsa.RSAPrivateKey] | None
-) -> x509.Certificate:
-    """A test CA (issuer None) or a server certificate for `subject`, as a public CA makes
-    them (cryptography's verifier checks the same extensions a browser does)."""
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    now = datetime.now(UTC)
-    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer[0].subject if issuer else name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(days=1))
-        .not_valid_after(now + timedelta(days=1))
-        .add_extension(ski, critical=False)
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
-    )
-    if issuer is None:
-        usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)
-        builder = builder.add_extension(usage, critical=True)  # keyCertSign, cRLSign
-        return builder.sign(key, hashes.SHA256())
-    issuer_ski = issuer[0].extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
-    builder = (
-        builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(subject)]), False)
-        .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH]), False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(issuer_ski), False
-        )
-    )
-    return builder.sign(issuer[1], hashes.SHA256())
-
-
-def _new_key() -> rsa.RSAPrivateKey:
-    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
-
-
-@dataclass
-class FakeSnsHost:
-    """Serves a test certificate for sns.amazonaws.com, issued by a test CA that the webhook
-    trusts in place of the public roots (no internet here); records every URL asked."""
-
-    ca_file: str
-    key: rsa.RSAPrivateKey = field(default_factory=_new_key)
-    urls: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        ca_key = _new_key()
-        ca = _cert("spotrain test CA", ca_key, None)
-        self.cert = _cert("sns.amazonaws.com", self.key, (ca, ca_key))
-        Path(self.ca_file).write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-
-    def cert_pem(self) -> bytes:
-        return self.cert.public_bytes(serialization.Encoding.PEM)
-
-    async def get(self, url: str) -> bytes:
-        self.urls.append(url)
-        return self.cert_pem() if url.endswith(".pem") else b"<ConfirmSubscriptionResponse/>"
-
-    def sign(self, message: dict[str, Any], key: rsa.RSAPrivateKey | None = None) -> bytes:
-        message = {
-            "MessageId": str(uuid.uuid4()),
-            "TopicArn": TOPIC,
-            "Timestamp": datetime.now(UTC).isoformat(),
-            "SignatureVersion": "2",
-            "SigningCertURL": CERT_URL,
-            **message,
-        }
-        signature = (key or self.key).sign(
-            sns_string_to_sign(message), padding.PKCS1v15(), hashes.SHA256()
-        )
-        message["Signature"] = base64.b64encode(signature).decode()
-        return json.dumps(message).encode()
-
-
-@dataclass
-class Webhook:
-    service: WebhookService
-    url: str
-    http: aiohttp.ClientSession
-    sns: FakeSnsHost
-
-    async def post(
-        self, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None
-    ) -> tuple[int, dict[str, Any]]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        async with self.http.post(
-            self.url + path, data=data, headers=BEARER if headers is None else headers
-        ) as resp:
-            text = await resp.text()
-            return resp.status, json.loads(text) if text.startswith("{") else {}
-
-
-@contextlib.asynccontextmanager
-async def running_webhook(
-    client: Client,
-    node_names: NodeNames | None = None,
-    *,
-    topics: tuple[str, ...] = (),
-    http_get: Callable[[str], Awaitable[bytes]] | None = None,
-    clock: Callable[[], float] = time.time,
-    public_roots: bool = False,
-    hmac_legacy: bool = False,
-    **config: Any,
-) -> AsyncIterator[Webhook]:
-    """The service on a free port; SNS certificates are trusted from the test CA, or with
-    `public_roots` from the public roots (certifi), as in production."""
-    ca_file = os.path.join(tempfile.mkdtemp(prefix="spotrain-ca-"), "ca.pem")
-    sns = FakeSnsHost(ca_file)
-    auth = AuthConfig(
-        bearer_token=TOKEN,
-        hmac_secret=HMAC_SECRET,
-        sns_topic_arns=frozenset([TOPIC, *topics]),
-        hmac_legacy=hmac_legacy,
-        **({} if public_roots else {"sns_ca_file": ca_file}),
-    )
-    service = WebhookService(
-        client,
-        WebhookConfig(auth=auth, host="127.0.0.1", port=0, **config),
-        http_get=http_get or sns.get,
-        node_names=node_names,
-        clock=clock,
-    )
-    port = await service.start()
-    async with aiohttp.ClientSession() as http:
-        yield Webhook(service, f"http://127.0.0.1:{port}", http, sns)
-    await service.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def hook(dev_env: WorkflowEnvironment) -> AsyncIterator[Webhook]:
-    async with running_webhook(dev_env.client) as webhook:
-        yield webhook
-
-
-def aws_event(kind: str, instance_id: str, **detail: str) -> dict[str, Any]:
-    return {
-        "version": "0",
-        "id": str(uuid.uuid4()),
-        "detail-type": kind,
-        "source": "aws.ec2",
-        "account": "123456789012",
-        "time": "2026-01-02T03:04:05Z",
-        "region": "us-east-1",
-        "resources": [f"arn:aws:ec2:us-east-1:123456789012:instance/{instance_id}"],
-        "detail": {"instance-id": instance_id, **detail},
-    }
-
-
-INTERRUPTION = "EC2 Spot Instance Interruption Warning"
-REBALANCE = "EC2 Instance Rebalance Recommendation"
-STATE_CHANGE = "EC2 Instance State-change Notification"
-
+from tests.webhook.webhook_support import (
+    CERT_URL,
+    EVENTBRIDGE,
+    HMAC_SECRET,
+    INTERRUPTION,
+    OPENAPI,
+    REBALANCE,
+    STATE_CHANGE,
+    TOKEN,
+    TOPIC,
+    Jobs,
+    Webhook,
+    aws_event,
+    eventually,
+    put_ec2_event,
+    queued,
+    received,
+    running_webhook,
+    webhook_process,
+)
 
 # --- every accepted kind reaches the right job exactly once ---------------------------------
 
@@ -504,37 +264,7 @@ async def test_health_readiness_and_metrics(hook: Webhook) -> None:
 # --- queue mode ------------------------------------------------------------------------------
 
 
-EVENTBRIDGE = Path(__file__).parents[2] / "infra" / "aws" / "eventbridge"
 PROVIDER_MIRROR = Path(os.environ.get("SPOTRAIN_TF_PLUGIN_DIR", "/opt/tf-plugins"))
-
-
-@pytest.fixture
-def queue(moto_endpoint: str) -> tuple[Any, str]:
-    """An SQS queue fed by EventBridge rules with infra/aws/eventbridge's event patterns."""
-    sqs = boto3.client("sqs", endpoint_url=moto_endpoint, region_name="us-east-1")
-    events = boto3.client("events", endpoint_url=moto_endpoint, region_name="us-east-1")
-    name = f"reclaims-{uuid.uuid4().hex[:8]}"
-    url = sqs.create_queue(QueueName=name)["QueueUrl"]
-    arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]
-    for pattern in sorted((EVENTBRIDGE / "patterns").glob("*.json")):
-        rule = f"{name}-{pattern.stem}"
-        events.put_rule(Name=rule, EventPattern=pattern.read_text())
-        events.put_targets(Rule=rule, Targets=[{"Id": "q", "Arn": arn["QueueArn"]}])
-    return sqs, url
-
-
-def put_ec2_event(moto_endpoint: str, kind: str, detail: dict[str, str]) -> None:
-    events = boto3.client("events", endpoint_url=moto_endpoint, region_name="us-east-1")
-    entry = {"Source": "aws.ec2", "DetailType": kind, "Detail": json.dumps(detail)}
-    assert events.put_events(Entries=[entry])["FailedEntryCount"] == 0
-
-
-def queued(sqs: Any, url: str) -> int:
-    attrs = sqs.get_queue_attributes(
-        QueueUrl=url,
-        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
-    )["Attributes"]
-    return sum(int(v) for v in attrs.values())
 
 
 async def test_sqs_poller_deletes_only_handled_messages(
@@ -714,43 +444,6 @@ def test_terraform_is_formatted_and_valid(tmp_path: Path) -> None:
     subprocess.run(init, check=True, capture_output=True)
     validate = subprocess.run([*tf, "validate", "-json"], capture_output=True, text=True)
     assert json.loads(validate.stdout)["valid"], validate.stdout
-
-
-@contextlib.asynccontextmanager
-async def webhook_process(
-    dev_env: WorkflowEnvironment, settings: dict[str, str]
-) -> AsyncIterator[tuple[str, list[str]]]:
-    """`python -m spotrain.workers.webhook.server` as a real process on a free port, ready (Temporal
-    answers); yields its URL and, once it has stopped, its output (in the list)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = os.environ | {
-        "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
-        "SPOTRAIN_WEBHOOK_HOST": "127.0.0.1",
-        "SPOTRAIN_WEBHOOK_PORT": str(port),
-        **settings,
-    }
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "spotrain.workers.webhook.server", env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    output: list[str] = []
-    try:
-        async with aiohttp.ClientSession() as http:
-
-            async def ready() -> bool:
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(url + "/readyz") as resp:
-                        return resp.status == 200
-                return False
-
-            await eventually(ready, timeout=30)
-        yield url, output
-    finally:
-        proc.terminate()
-        output.append((await proc.communicate())[0].decode())
 
 
 async def test_service_process_reads_its_config_from_env_and_files(

@@ -22,12 +22,7 @@ from spotrain.workers.webhook.auth import (
     hmac_headers,
     legacy_string_to_sign,
 )
-from spotrain.workers.webhook.events import (
-    SchemaError,
-    parse_aws,
-    parse_kubernetes,
-    parse_reclaim,
-)
+from spotrain.workers.webhook.events import SchemaError, parse_aws, parse_kubernetes, parse_reclaim
 from spotrain.workflows.contract import ReclaimNotice
 
 SECRET = "s3cret-for-tests"

@@ -1,4 +1,3 @@
-# ruff: noqa: F811 (pytest fixtures imported from test_webhook are parameters here)
 """Payloads published by others (tests/webhook/corpus, sources in its SOURCES.md) through the
 real webhook on loopback, against the real Temporal dev server: the signal each produces, its
 deadline and event id, and the HTTP answer. Also the trust and robustness rules that real
@@ -33,14 +32,11 @@ from spotrain.workers.webhook.auth import (
 )
 from spotrain.workers.webhook.server import ConfigError, SqsPoller, WebhookConfig, WebhookService
 from spotrain.workflows.contract import ReclaimNotice
-from tests.webhook.test_webhook import (  # noqa: F401 (hook, jobs, queue: the shared fixtures)
+from tests.webhook.webhook_support import (
     HMAC_SECRET,
     Jobs,
     Webhook,
     eventually,
-    hook,
-    jobs,
-    queue,
     queued,
     received,
     running_webhook,

@@ -23,7 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.webhook.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, hmac_headers
 from spotrain.workers.webhook.server import SqsPoller
-from tests.webhook.test_webhook import (
+from tests.webhook.webhook_support import (
     BEARER,
     CERT_URL,
     HMAC_SECRET,

@@ -26,18 +26,15 @@ from spotrain.workers.webhook.auth import (
     legacy_string_to_sign,
 )
 from spotrain.workers.webhook.server import ConfigError, WebhookConfig
-from tests.webhook.test_webhook import (
+from tests.webhook.webhook_support import (
     HMAC_SECRET,
     TOKEN,
     Jobs,
     Webhook,
     eventually,
-    jobs,
     received,
     running_webhook,
 )
-
-__all__ = ["jobs"]  # a fixture
 
 RECLAIMS = "/v1/reclaims"
 

@@ -25,7 +25,7 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from spotrain.workers.embedded.binaries import temporal_cli
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
 from spotrain.workflows.job import attributes
-from tests.webhook.test_webhook import Webhook, eventually, running_webhook
+from tests.webhook.webhook_support import Webhook, eventually, running_webhook
 
 VISIBILITY = "spotrain_webhook_visibility_calls_total"
 

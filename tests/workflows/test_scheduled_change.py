@@ -24,7 +24,7 @@ from spotrain.workflows.job import events, job_planner
 from spotrain.workflows.policies import make_before_break
 from spotrain.workflows.policies.warning_rule import worth_acting
 from tests.jobs import fast_runtime, fast_spec, record_history, running_at, simulated, until
-from tests.webhook.test_webhook import running_webhook
+from tests.webhook.webhook_support import running_webhook
 from tests.workflows.test_make_before_break import MBB, SURGE, ranked
 from tests.workflows.test_make_before_break import events as timeline
 from tests.workflows.test_make_before_break_planner import state, warning
