@@ -20,12 +20,11 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from spotrain.workers.embedded.binaries import temporal_cli
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
 from spotrain.workflows.job import attributes
-from tests.webhook.webhook_support import Webhook, eventually, running_webhook
+from tests.webhook.webhook_support import Webhook, double_worker, eventually, running_webhook
 
 VISIBILITY = "spotrain_webhook_visibility_calls_total"
 
@@ -91,13 +90,7 @@ class Holders:
 
 @contextlib.asynccontextmanager
 async def holding_worker(client: Client) -> AsyncIterator[Holders]:
-    task_queue = f"holders-{uuid.uuid4()}"
-    async with Worker(
-        client,
-        task_queue=task_queue,
-        workflows=[HoldingJob],
-        workflow_runner=UnsandboxedWorkflowRunner(),  # a test double, no sandbox needed
-    ):
+    async with double_worker(client, HoldingJob) as task_queue:
         yield Holders(client, task_queue)
 
 
@@ -105,12 +98,6 @@ async def holding_worker(client: Client) -> AsyncIterator[Holders]:
 async def holders(dev_env: WorkflowEnvironment) -> AsyncIterator[Holders]:
     async with holding_worker(dev_env.client) as h:
         yield h
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def hook(dev_env: WorkflowEnvironment) -> AsyncIterator[Webhook]:
-    async with running_webhook(dev_env.client) as webhook:
-        yield webhook
 
 
 def notice(node_id: str, event_id: str | None = None) -> dict[str, Any]:

@@ -101,14 +101,21 @@ async def received(handle: WorkflowHandle[Any, Any]) -> list[dict[str, Any]]:
 
 
 @contextlib.asynccontextmanager
-async def recording_worker(client: Client) -> AsyncIterator[Jobs]:
-    task_queue = f"webhook-{uuid.uuid4()}"
+async def double_worker(client: Client, double: type) -> AsyncIterator[str]:
+    """A worker of the workflow test double `double` on a task queue of its own (yielded)."""
+    task_queue = f"{double.__name__}-{uuid.uuid4()}"
     async with Worker(
         client,
         task_queue=task_queue,
-        workflows=[RecordingJob],
+        workflows=[double],
         workflow_runner=UnsandboxedWorkflowRunner(),  # a test double, no sandbox needed
     ):
+        yield task_queue
+
+
+@contextlib.asynccontextmanager
+async def recording_worker(client: Client) -> AsyncIterator[Jobs]:
+    async with double_worker(client, RecordingJob) as task_queue:
         yield Jobs(client, task_queue)
 
 
