@@ -1,5 +1,5 @@
 """Break each guarded behaviour on purpose, one at a time, and check that the fast unit tests
-named for it fail (the list is tests/breaks.py: the planner's effect of every documented spec
+named for it fail (the list is in tests/breaks/: the planner's effect of every documented spec
 field, webhook auth, notice times, EC2 ownership, the live rank hand-over).
 
 Every break is applied to a private copy of the repository in a temporary folder, never to the

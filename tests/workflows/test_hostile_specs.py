@@ -225,7 +225,7 @@ def test_the_bounds_themselves_are_valid_and_the_examples_stay_valid() -> None:
         if "\napiVersion:" not in "\n" + path.read_text():
             load_spec(
                 path
-            )  # (not the Kubernetes resources: tests/kube/test_k8s_crd.py applies those)
+            )  # (not the Kubernetes resources: tests/kube/operator/test_k8s_crd.py applies those)
 
 
 def test_ordering_every_node_of_the_largest_job_stays_cheap() -> None:

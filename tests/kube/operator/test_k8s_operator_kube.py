@@ -38,7 +38,7 @@ from tests.kube.kube_kubelet import node_name, nodes_follow_instances
 from tests.kube.kube_support import job_on_kubernetes
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
-from tests.kube.operator_support import NS, operator, resource, status, wait_for
+from tests.kube.operator.operator_support import NS, operator, resource, status, wait_for
 
 JOB = "kube-e2e"
 R = TypeVar("R")

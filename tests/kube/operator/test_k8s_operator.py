@@ -20,7 +20,7 @@ from tests.kube.k8s_cluster import ControlPlane
 from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
-from tests.kube.operator_support import (
+from tests.kube.operator.operator_support import (
     NS,
     events,
     operator_with_simulated_worker,
