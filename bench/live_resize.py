@@ -117,7 +117,9 @@ def job_spec(name: str, mode: str, record: Path, root: Path, args: argparse.Name
         # (spotrain.elastic.checkpoint_writer), for a side-by-side comparison
         "env": {checkpoint_writer.WRITER_ENV: "process"} if mode == "live-process" else {},
         "checkpoint": f"file://{root / 'ckpt' / name}",
-        "checkpoint_keep": 100,  # (every notice's checkpoint record stays to be reported)
+        # every notice's checkpoint record stays to be reported: 40 resizes at 20 ms steps
+        # write some 200 periodic checkpoints besides (100 lost the oldest notices' records)
+        "checkpoint_keep": 1000,
         "elastic": {
             "min_nodes": 1,
             "max_nodes": NODES,
