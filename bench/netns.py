@@ -61,10 +61,6 @@ def shaped_hosts(n: int, gbit: float) -> Iterator[list[Host]]:
             _ip("-n", ns, "link", "set", "lo", "up")
             # burst: at least one timer tick's worth at the rate, for the rate to be reached
             shape = ["root", "tbf", "rate", f"{gbit}gbit", "burst", "4mb", "latency", "200ms"]
-            subprocess.run(
-                ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, *shape],
-                check=True,
-                capture_output=True,
-            )
+            _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, *shape)
             hosts.append(Host(ns, f"{subnet}.{i + 1}"))
         yield hosts
