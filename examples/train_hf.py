@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,9 +61,20 @@ class Recorder(TrainerCallback):
             self.data.taken = []
 
 
+class Pace(TrainerCallback):
+    """Sleeps after each step: stands in for a bigger model's step (tests)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", type=Path, help="append consumed indices and losses here")
+    parser.add_argument("--step-time", type=float, default=0.0, help="sleep per step (tests)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a tiny model: threads only fight over the cores
 
@@ -92,6 +104,8 @@ def main() -> int:
         args.record.mkdir(parents=True, exist_ok=True)
         path = args.record / f"gen-{s.generation}-rank-{s.rank}.jsonl"
         trainer.add_callback(Recorder(path, data))
+    if args.step_time:
+        trainer.add_callback(Pace(args.step_time))
     print(
         f"gen {s.generation} rank {s.rank}/{s.world_size}: "
         f"batch {training_args.per_device_train_batch_size} lr {training_args.learning_rate} "

@@ -17,6 +17,7 @@ MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hf.py"
 TOTAL, GLOBAL = 60, 5  # 5 splits unevenly: 2 + 3 over two ranks, 1 + 2 + 2 over three
+PACE = ["--step-time", "0.05"]  # the notice lands within a few steps, not dozens
 SCALE = {  # learning rate per world size; a constant schedule so the logged rate shows it
     2: {"lr": 1e-2, "lr_scheduler_type": "constant", "save_steps": 10},
     3: {"lr": 5e-3, "lr_scheduler_type": "constant", "save_steps": 10},
@@ -34,7 +35,7 @@ def test_trainer_resumes_through_a_reclaim_and_a_loss_without_repeating_samples(
     sc = Scenario(
         tmp_path,
         "hf-integration",
-        [sys.executable, str(EXAMPLE), "--record", str(tmp_path / "record")],
+        [sys.executable, str(EXAMPLE), "--record", str(tmp_path / "record"), *PACE],
         total_steps=TOTAL,
         global_batch_size=GLOBAL,
         scale_config=SCALE,
