@@ -12,12 +12,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
+from temporalio.api.testservice.v1 import SleepRequest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workers.worker import workflow_worker
@@ -27,6 +30,7 @@ from spotrain.workflows.job.state import JobResult, JobStatus
 
 HISTORIES = Path(__file__).parent / "replay" / "histories"
 M = TypeVar("M", bound=BaseModel)
+SKIP_TIMEOUT = timedelta(minutes=5)
 
 BASE_SPEC: dict[str, Any] = {
     "command": ["python", "train.py"],
@@ -181,6 +185,17 @@ async def until(
 ) -> JobStatus:
     """Poll the job's `status` query until `check` holds."""
     return await polled(lambda: sim.status(handle), check, timeout)
+
+
+async def skip(env: WorkflowEnvironment, duration: timedelta | float) -> None:
+    """`env.sleep` on the time-skipping server, with room for a loaded machine: the SDK's call
+    has the client's default 30 s deadline, and beside two busy loops skipping 86 minutes of
+    a busy job took longer ('Timeout expired' in CI)."""
+    req = SleepRequest()
+    req.duration.FromTimedelta(
+        duration if isinstance(duration, timedelta) else timedelta(seconds=duration)
+    )
+    await env.client.test_service.unlock_time_skipping_with_sleep(req, timeout=SKIP_TIMEOUT)
 
 
 def running_at(size: int, generation: int | None = None) -> Callable[[JobStatus], bool]:

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 from temporalio.testing import WorkflowEnvironment
 
-from tests.jobs import job_spec, simulated
+from tests.jobs import job_spec, simulated, skip
 
 STALL_BOUND_S = 30  # every activity heartbeats at least every 5 s: 30 s is ample
 
@@ -17,7 +17,7 @@ STALL_BOUND_S = 30  # every activity heartbeats at least every 5 s: 30 s is ampl
 async def test_a_dead_worker_stalls_no_activity_long(ts_env: WorkflowEnvironment) -> None:
     async with simulated(ts_env.client) as sim:
         handle = await sim.start(job_spec(total_steps=7_200))
-        await ts_env.sleep(timedelta(minutes=10))
+        await skip(ts_env, timedelta(minutes=10))
         sim.runtime.fail(handle.id)  # a fault: describe, stop, start again
         await handle.result()
         history = await handle.fetch_history()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,15 @@ async def test_a_stuck_job_is_shown_with_its_error_and_released_by_its_tags(
     name = spec["name"]
     # A valid spec, but carried state that is no JobState: the worker cannot decode the
     # workflow's input, so its every workflow task fails and Temporal retries it for ever.
+    # (A task timeout long enough that a starved worker's first attempt fails rather than
+    # times out: Temporal records no failure after a timeout, and then the CI beside two busy
+    # loops saw `status` quote the timeout.)
     handle = await cli.sim.client.start_workflow(
-        "TrainingJob", args=[spec, "not a JobState"], id=name, task_queue=cli.sim.task_queue
+        "TrainingJob",
+        args=[spec, "not a JobState"],
+        id=name,
+        task_queue=cli.sim.task_queue,
+        task_timeout=timedelta(seconds=60),
     )
     owned = [launch(ec2, name), launch(ec2, name)]
     other = launch(ec2, f"other-{uuid.uuid4().hex[:6]}")

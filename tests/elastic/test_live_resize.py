@@ -150,6 +150,19 @@ def books_the_two_losses(gone: list[str], noticed: str, lost: str) -> bool:
     )
 
 
+def parked_for_the_notice_growth_and_loss(parked: list[str], noticed: str, lost: str) -> bool:
+    """The details of the job's live parks begin with the scenario's three resizes, in order:
+    the notice's shrink, the replacement's growth, the loss's shrink. The growth after the
+    loss is not asked for: under load the job can reach its last step before the second
+    replacement is up (CI saw it on Kubernetes), and then that growth is the job's end."""
+    return (
+        len(parked) >= 3
+        and parked[0].startswith(f"reclaim notice for {noticed};")
+        and parked[1].startswith("grow: ")
+        and parked[2].startswith(f"{lost} ")
+    )
+
+
 def test_survivors_keep_training_through_shrink_and_growth(tmp_path: Path) -> None:
     env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
     gen0 = plan(tmp_path, 0, [0, 1, 2])
@@ -363,13 +376,15 @@ async def test_a_live_job_through_a_notice_a_loss_and_growth(
                 with contextlib.suppress(Exception):
                     await handle.cancel()
                 runtime.cleanup_job(CleanupRequest(job=name))
-    parked = [e for e in result.timeline if e.event == "generation parked (live resize)"]
+    parked = [e.detail for e in result.timeline if e.event == "generation parked (live resize)"]
     print(
         "\n".join(
             f"{e.time:%H:%M:%S.%f} {e.generation} {e.event}: {e.detail}" for e in result.timeline
         )
     )
-    assert len(parked) >= 4, [(e.generation, e.event, e.detail) for e in result.timeline]
+    assert parked_for_the_notice_growth_and_loss(parked, noticed, lost), [
+        (e.generation, e.event, e.detail) for e in result.timeline
+    ]
     gone = [e.detail for e in result.timeline if e.event == "node gone"]
     assert books_the_two_losses(gone, noticed, lost), result.timeline
     assert result.steps_lost <= 1, result

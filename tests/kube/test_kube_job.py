@@ -29,7 +29,11 @@ from spotrain.workers.embedded.stack import port_block
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.job.state import JobResult, JobStatus
 from tests.elastic.test_control_channel import wait_status
-from tests.elastic.test_live_resize import books_the_two_losses, live_job_spec
+from tests.elastic.test_live_resize import (
+    books_the_two_losses,
+    live_job_spec,
+    parked_for_the_notice_growth_and_loss,
+)
 from tests.elastic.test_local_runtime import WORKER
 from tests.jobs import Sim, fast_spec, record_history, running_at, sizes, until
 from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
@@ -153,8 +157,8 @@ async def test_live_training_job_on_kubernetes(
             time.sleep(0.2)
     timeline = [(e.generation, e.event, e.detail) for e in result.timeline]
     told = "\n".join(map(str, timeline))  # (a string: pytest shows it whole)
-    parked = [e for e in timeline if e[1] == "generation parked (live resize)"]
-    assert len(parked) >= 4, told
+    parked = [e[2] for e in timeline if e[1] == "generation parked (live resize)"]
+    assert parked_for_the_notice_growth_and_loss(parked, noticed, lost), told
     gone = [e[2] for e in timeline if e[1] == "node gone"]
     assert books_the_two_losses(gone, noticed, lost), told
     assert result.steps_done == 1200 and result.steps_lost <= 1, result

@@ -21,7 +21,7 @@ from spotrain.workflows.job.state import JobState
 from spotrain.workflows.policies import budget
 from spotrain.workflows.policies.budget import BudgetState
 from spotrain.workflows.spec import SpecError, parse_spec
-from tests.jobs import fast_runtime, fast_spec, job_spec, record_history, simulated, until
+from tests.jobs import fast_runtime, fast_spec, job_spec, record_history, simulated, skip, until
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 caps = st.floats(0.01, 1e6)
@@ -124,7 +124,7 @@ async def test_job_pauses_at_its_budget_and_resumes_once_it_is_raised(
         spec = job_spec(budget_usd=4.0)
         name = spec["name"]
         handle = await sim.start(spec)
-        await ts_env.sleep(timedelta(hours=2))
+        await skip(ts_env, timedelta(hours=2))
         paused = await sim.status(handle)
         held = sim.cloud.running(name)
         with pytest.raises(WorkflowUpdateFailedError) as refused:

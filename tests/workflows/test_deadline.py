@@ -20,7 +20,7 @@ from spotrain.workflows.job import job_planner
 from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
 from spotrain.workflows.policies import deadline
 from spotrain.workflows.spec import DeadlinePolicy, SpecError, parse_spec
-from tests.jobs import job_spec, record_history, simulated
+from tests.jobs import job_spec, record_history, simulated, skip
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 policies = st.builds(
@@ -142,7 +142,7 @@ async def test_job_moves_to_on_demand_when_spot_cannot_make_the_deadline(
             deadline={"max_duration_s": 4 * 3600, "margin_s": 600, "switch_s": 300},
         )
         handle = await sim.start(spec)
-        await ts_env.sleep(3600)
+        await skip(ts_env, 3600)
         for node in cloud.running(spec["name"]):
             cloud.reclaim(node.node_id)
             await handle.signal("node_lost", {"node_id": node.node_id, "event_id": node.node_id})

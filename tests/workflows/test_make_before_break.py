@@ -26,6 +26,7 @@ from tests.jobs import (
     record_history,
     running_at,
     simulated,
+    skip,
     until,
 )
 from tests.jobs import sizes as world_sizes
@@ -62,10 +63,10 @@ async def run_one_reclaim(
     """A 2.5 h job at 4 nodes; 20 min in, one node is warned (`kind`) and, for a notice,
     taken by the cloud 120 s later. Returns the result and the warned node."""
     handle = await sim.start(job_spec(elastic=elastic))
-    await env.sleep(timedelta(minutes=20))
+    await skip(env, timedelta(minutes=20))
     victim = ranked(await sim.status(handle))[1]
     await warn(env, handle, victim, kind, 120 if kind == "interruption" else None)
-    await env.sleep(timedelta(seconds=120))
+    await skip(env, timedelta(seconds=120))
     if sim.cloud.nodes[victim].info.state != "gone":
         sim.cloud.reclaim(victim)
         await handle.signal("node_lost", {"node_id": victim, "event_id": f"lost-{victim}"})
@@ -129,11 +130,11 @@ async def test_a_notice_without_a_replacement_in_time_shrinks_and_grows_back_lat
     spec = job_spec(elastic=MBB | SURGE, on_demand={"fallback": False})
     async with simulated(ts_env.client, cloud=cloud(capacity=capacity)) as sim:
         handle = await sim.start(spec)
-        await ts_env.sleep(timedelta(minutes=20))
+        await skip(ts_env, timedelta(minutes=20))
         victim = ranked(await sim.status(handle))[1]
         t0.append(await ts_env.get_current_time())
         await warn(ts_env, handle, victim, "interruption", 120)
-        await ts_env.sleep(timedelta(seconds=120))
+        await skip(ts_env, timedelta(seconds=120))
         sim.cloud.reclaim(victim)
         await handle.signal("node_lost", {"node_id": victim, "event_id": "lost"})
         result = await handle.result()
@@ -152,10 +153,10 @@ async def test_no_room_for_the_overlap_at_max_nodes_without_surge(
     and the status says why."""
     async with simulated(ts_env.client) as sim:
         handle = await sim.start(job_spec(elastic=MBB | ALWAYS))
-        await ts_env.sleep(timedelta(minutes=20))
+        await skip(ts_env, timedelta(minutes=20))
         victim = ranked(await sim.status(handle))[0]
         await warn(ts_env, handle, victim, "rebalance", None)
-        await ts_env.sleep(timedelta(minutes=5))
+        await skip(ts_env, timedelta(minutes=5))
         status = await sim.status(handle)
         await handle.cancel()
     assert status.world_size == 4 and status.resizes == 0

@@ -19,7 +19,7 @@ from spotrain.workflows.job.checkpoints import CheckpointStats
 from spotrain.workflows.job.state import JobState
 from spotrain.workflows.policies.warning_rule import Case, case_for, weigh, worth_acting
 from spotrain.workflows.spec import SpecError, parse_spec
-from tests.jobs import job_spec, simulated
+from tests.jobs import job_spec, simulated, skip
 from tests.workflows.test_make_before_break import MBB, SURGE, events, ranked, warn
 from tests.workflows.test_planner_job import node, running
 
@@ -133,10 +133,10 @@ async def test_a_warning_gets_a_replacement_only_when_the_rule_says_so(
 ) -> None:
     async with simulated(ts_env.client) as sim:
         handle = await sim.start(job_spec(elastic=MBB | SURGE | elastic))
-        await ts_env.sleep(timedelta(minutes=20))
+        await skip(ts_env, timedelta(minutes=20))
         victim = ranked(await sim.status(handle))[1]
         await warn(ts_env, handle, victim, "rebalance", None)
-        await ts_env.sleep(timedelta(minutes=5))
+        await skip(ts_env, timedelta(minutes=5))
         status = await sim.status(handle)
         await handle.cancel()
     declined = events(status, "rebalance recommendation not worth a replacement")

@@ -17,7 +17,7 @@ from spotrain.workflows.contract import CleanupRequest, LaunchRequest, NodeInfo
 from spotrain.workflows.job import events
 from spotrain.workflows.job.state import JobState
 from spotrain.workflows.spec import parse_spec
-from tests.jobs import job_spec, simulated, until
+from tests.jobs import job_spec, simulated, skip, until
 
 
 async def test_job_runs_to_completion_and_releases_everything(ts_env: WorkflowEnvironment) -> None:
@@ -108,14 +108,14 @@ async def test_thirty_day_job_with_500_reclaims_stays_under_10k_events_per_run(
     async with simulated(ts_env.client) as sim:
         handle = await sim.start(spec)
         for i in range(reclaims):
-            await ts_env.sleep(month_s / reclaims)
+            await skip(ts_env, month_s / reclaims)
             status = await sim.status(handle)
             ranked = sorted((n for n in status.nodes if n.rank is not None), key=lambda n: n.slot)
             victim = ranked[i % len(ranked)].node_id
             deadline = await ts_env.get_current_time() + timedelta(seconds=120)
             notice = {"node_id": victim, "deadline": deadline.isoformat(), "event_id": f"r{i}"}
             await handle.signal("reclaim", notice)
-        await ts_env.sleep(month_s / reclaims)
+        await skip(ts_env, month_s / reclaims)
         status = await sim.status(handle)
         await handle.cancel()
         lengths = []  # events per run, newest first, following the continue-as-new chain
