@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, settings
+from moto.core.responses import ActionResult
+from moto.ec2.responses.instances import InstanceResponse
 from moto.server import ThreadedMotoServer
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -69,9 +72,29 @@ async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
     await env.shutdown()
 
 
+def honour_client_tokens() -> None:
+    """EC2 answers a RunInstances whose ClientToken an earlier launch used with that launch;
+    moto launches again (its placeholder token for none is "ABCDE"). Beside the chaos sweep's
+    16 workers moto's server drops connections and botocore retries the call: without this,
+    each retry that AWS would absorb showed as a duplicate node."""
+    launch = InstanceResponse.run_instances
+    lock = threading.Lock()
+
+    def run_instances(self: InstanceResponse) -> Any:
+        token = self._get_param("ClientToken")
+        with lock:
+            for reservation in list(self.ec2_backend.reservations.values()) if token else []:
+                if any(i.client_token == token for i in reservation.instances):
+                    return ActionResult(reservation)
+            return launch(self)
+
+    InstanceResponse.run_instances = run_instances  # type: ignore[method-assign]
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     """moto's server on a free loopback port; boto3 clients get it as `endpoint_url`."""
+    honour_client_tokens()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -99,7 +99,9 @@ def test_launch_lifecycle_and_tags(
         assert expected.items() <= tags_of(volume).items()
 
 
-def test_retried_launch_creates_no_duplicate(provider: EC2Provider, job: str) -> None:
+def test_retried_launch_creates_no_duplicate(
+    provider: EC2Provider, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     req = spot(job)
     first = launch(provider, req)
     assert launch(provider, req).node_id == first.node_id  # a plain retry
@@ -110,11 +112,18 @@ def test_retried_launch_creates_no_duplicate(provider: EC2Provider, job: str) ->
     assert launch(provider, crashed).node_id == orphan["InstanceId"]
     assert len(live(provider, job)) == 2
 
-    # Two racing attempts both launched (moto ignores ClientToken; AWS would not): one is kept
+    # A retried call with the same ClientToken is the first launch (EC2's idempotency; the
+    # tests' moto honours it too).
+    raced = spot(job, slot=2)
+    first = provider._run(provider.client(), raced)["InstanceId"]
+    assert provider._run(provider.client(), raced)["InstanceId"] == first
+
+    # Two launches for one slot all the same (say, by hand with another token): one is kept
     # (the oldest; launch times have whole seconds, so the smaller id on a tie), the other
     # terminated.
-    raced = spot(job, slot=2)
-    both = {provider._run(provider.client(), raced)["InstanceId"] for _ in range(2)}
+    monkeypatch.setattr(ec2_mod, "client_token", lambda *_: "launched-by-hand")
+    both = {first, provider._run(provider.client(), raced)["InstanceId"]}
+    assert len(both) == 2
     kept = launch(provider, raced).node_id
     assert kept in both and len(live(provider, job)) == 3
     assert set(live(provider, job)) & both == {kept}
