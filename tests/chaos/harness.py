@@ -492,10 +492,6 @@ def check_job(
     fig.leaks = len(live) + len(procs)
     if fig.duplicates:
         fig.problems.append(f"duplicate instances for slots {sorted(slots)}")
-        for instance in ec2_backend().all_instances():
-            tags = {t["key"]: t["value"] for t in instance.get_tags()}
-            if tags.get(TAG_JOB) == job:
-                fig.problems.append(f"DEBUG {instance.id} {instance.state} {instance.launch_time} {tags} {getattr(instance, '_state_reason', None)}")
     if fig.leaks:
         fig.problems.append(f"left running: instances {live}, processes {procs}")
     if not completed:
