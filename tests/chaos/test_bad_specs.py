@@ -1,5 +1,8 @@
 """Bad job specs through the real `temporal workflow start`: each one fails fast with a message
-naming the problem (ApplicationError type InvalidSpec); none hangs on a workflow task retry."""
+naming the problem (ApplicationError type InvalidSpec); none hangs on a workflow task retry.
+
+"Fast" is read from the history, not a stopwatch (CI's load once made two CLI starts and one
+workflow task take 10.6 s): the job fails in its first workflow task, before any activity."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from spotrain.workflows.spec import SpecError, parse_spec
 from tests.chaos.harness import FULL, ChaosEnv, WorkerProcess
 
 QUEUE = "bad-specs"
-FAIL_FAST_S = 10.0
+HANG_GUARD_S = 120.0  # a CLI call that outlives this is a hang
 VALID: dict[str, Any] = {
     "name": "bad-spec",
     "command": ["python", "train.py"],
@@ -88,7 +91,7 @@ def temporal(env: ChaosEnv, *args: str) -> subprocess.CompletedProcess[str]:
         [temporal_cli(), *args, "--address", env.server.address],
         capture_output=True,
         text=True,
-        timeout=FAIL_FAST_S * 3,
+        timeout=HANG_GUARD_S,
         check=False,
     )
 
@@ -111,15 +114,30 @@ def test_bad_spec_fails_fast_with_a_message(
     path = tmp_path_factory.mktemp("spec") / "job.json"
     path.write_text(json.dumps(spec))
     workflow_id = f"bad-{time.monotonic_ns()}"
-    started = time.monotonic()
     start = temporal(
         chaos_env, "workflow", "start", "--type", "TrainingJob", "--task-queue", QUEUE,
         "--workflow-id", workflow_id, "--input-file", str(path),
     )  # fmt: skip
     assert start.returncode == 0, start.stderr
     result = temporal(chaos_env, "workflow", "result", "--workflow-id", workflow_id, "-o", "json")
-    took = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "InvalidSpec" in output and "invalid job spec" in output, output
-    assert took < FAIL_FAST_S, f"took {took:.1f}s"
+    assert event_types(chaos_env, workflow_id) == FAILED_IN_FIRST_TASK
+
+
+FAILED_IN_FIRST_TASK = [
+    "WORKFLOWEXECUTIONSTARTED",
+    "WORKFLOWTASKSCHEDULED",
+    "WORKFLOWTASKSTARTED",
+    "WORKFLOWTASKCOMPLETED",
+    "WORKFLOWEXECUTIONFAILED",
+]
+
+
+def event_types(env: ChaosEnv, workflow_id: str) -> list[str]:
+    """The history's event types, spelled alike whichever JSON form the CLI prints."""
+    shown = temporal(env, "workflow", "show", "--workflow-id", workflow_id, "-o", "json")
+    assert shown.returncode == 0, shown.stderr
+    names = (e["eventType"] for e in json.loads(shown.stdout)["events"])
+    return [n.upper().replace("_", "").removeprefix("EVENTTYPE") for n in names]
