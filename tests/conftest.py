@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, settings
-from moto.core.responses import ActionResult
-from moto.ec2.responses.instances import InstanceResponse
 from moto.server import ThreadedMotoServer
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -24,6 +21,7 @@ from spotrain.activities.local import Rank
 from spotrain.workers.embedded.binaries import temporal_cli, temporal_test_server
 from spotrain.workflows.job import attributes
 from tests import assert_diff
+from tests.moto_ec2 import honour_client_tokens
 
 # Hypothesis fails an example that takes over 200 ms, and a test whose examples are slow to
 # generate (HealthCheck.too_slow): on a 2-core CI machine beside other tests and processes a
@@ -70,25 +68,6 @@ async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
     )
     yield env
     await env.shutdown()
-
-
-def honour_client_tokens() -> None:
-    """EC2 answers a RunInstances whose ClientToken an earlier launch used with that launch;
-    moto launches again (its placeholder token for none is "ABCDE"). Beside the chaos sweep's
-    16 workers moto's server drops connections and botocore retries the call: without this,
-    each retry that AWS would absorb showed as a duplicate node."""
-    launch = InstanceResponse.run_instances
-    lock = threading.Lock()
-
-    def run_instances(self: InstanceResponse) -> Any:
-        token = self._get_param("ClientToken")
-        with lock:
-            for reservation in list(self.ec2_backend.reservations.values()) if token else []:
-                if any(i.client_token == token for i in reservation.instances):
-                    return ActionResult(reservation)
-            return launch(self)
-
-    InstanceResponse.run_instances = run_instances  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="session")

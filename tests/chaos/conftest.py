@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest_asyncio
 
 from tests.chaos.harness import ChaosEnv, TemporalServer
+from tests.moto_ec2 import forget_terminated_instances
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -35,7 +36,9 @@ async def chaos_session(moto_endpoint: str) -> AsyncIterator[ChaosEnv]:
 async def chaos_env(chaos_session: ChaosEnv) -> AsyncIterator[ChaosEnv]:
     """The session's environment for one scenario: what the scenario starts (workers, jobs,
     their ranks) is stopped when it ends, however it ends (a failed `until` never reaches
-    `supervise`, which stops the worker)."""
+    `supervise`, which stops the worker). Earlier tests' terminated instances are forgotten, as
+    EC2 forgets them, so that a late scenario's moto is as quick as an early one's."""
+    forget_terminated_instances()
     mark = chaos_session.mark()
     yield chaos_session
     if stopped := await chaos_session.clean_up(mark):
