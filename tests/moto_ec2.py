@@ -22,9 +22,10 @@ def honour_client_tokens() -> None:
     def run_instances(self: InstanceResponse) -> Any:
         token = self._get_param("ClientToken")
         with lock:
-            for reservation in list(self.ec2_backend.reservations.values()) if token else []:
-                if any(i.client_token == token for i in reservation.instances):
-                    return ActionResult(reservation)
+            if token:
+                for reservation in list(self.ec2_backend.reservations.values()):
+                    if any(i.client_token == token for i in reservation.instances):
+                        return ActionResult(reservation)
             return launch(self)
 
     InstanceResponse.run_instances = run_instances  # type: ignore[method-assign]
