@@ -1,9 +1,12 @@
-"""The suite's own settings (tests/conftest.py): hypothesis keeps no wall-clock deadline, and a
-failing `==` on a long list explains itself in a few lines."""
+"""The suite's own settings (tests/conftest.py): hypothesis keeps no wall-clock deadline, a
+failing `==` on a long list explains itself in a few lines, and no shared fixture outlives
+the tests that use it."""
 
 from __future__ import annotations
 
+import ast
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -46,3 +49,28 @@ def test_many_runs_are_cut_and_short_lists_keep_pytests_own() -> None:
     message = failure_of(left, right)
     assert f"... {10 - MAX_RUNS} more runs" in message and "truncated" not in message
     assert "At index 1 diff" in failure_of([0, 1, 2], [0, 2, 2])
+
+
+def session_fixtures_outside_conftest() -> list[str]:
+    """Session-scoped fixtures defined in a module that tests import them from. pytest makes
+    each importing module a fixture of its own, run once per module and kept to the end of the
+    run: the Kubernetes tests' control plane lived on ten times over in one CI process."""
+    found = []
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        if path.name == "conftest.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for deco in node.decorator_list:
+                    scopes = [
+                        k.value.value
+                        for k in getattr(deco, "keywords", [])
+                        if k.arg == "scope" and isinstance(k.value, ast.Constant)
+                    ]
+                    if scopes == ["session"]:
+                        found.append(f"{path.name}:{node.name}")
+    return found
+
+
+def test_session_fixtures_live_in_conftest_files() -> None:
+    assert session_fixtures_outside_conftest() == []

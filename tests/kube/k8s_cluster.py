@@ -560,9 +560,11 @@ def control_plane_or_skip() -> Path:
         pytest.skip(f"no Kubernetes control plane: {err}")
 
 
-@pytest.fixture(scope="session", name="control_plane")
+@pytest.fixture(scope="module", name="control_plane")
 def control_plane_fixture() -> Iterator[ControlPlane]:
-    """One control plane per test process, shared by its tests (`cluster` resets it)."""
+    """One control plane per test module that imports this fixture, shared by its tests
+    (`cluster` resets it) and stopped when the module ends. (Session-scoped, each importing
+    module's plane lived to the end of the run: ten at once in one CI process.)"""
     with ControlPlane.running(control_plane_or_skip()) as plane:
         yield plane
 

@@ -58,7 +58,7 @@ def kubectl_binary(plane: ControlPlane) -> Path:
     return found
 
 
-@pytest.fixture(scope="session", name="kubectl")
+@pytest.fixture(scope="module", name="kubectl")  # as the control plane's
 def kubectl_fixture(control_plane: ControlPlane) -> Kubectl:
     """kubectl as the cluster's admin, the spotrain CRDs applied and established."""
     kubectl = Kubectl(kubectl_binary(control_plane), control_plane.admin_kubeconfig)
