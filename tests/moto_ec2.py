@@ -41,10 +41,9 @@ def forget_terminated_instances() -> int:
     for backend in dict.values(ec2_models.ec2_backends[DEFAULT_ACCOUNT_ID]):  # regions in use
         for reservation_id, reservation in list(backend.reservations.items()):
             live = [i for i in reservation.instances if i.state != "terminated"]
-            for instance in reservation.instances:
-                if instance.state == "terminated":
-                    backend.tags.pop(instance.id, None)
-                    forgotten += 1
+            for instance in set(reservation.instances) - set(live):
+                backend.tags.pop(instance.id, None)
+            forgotten += len(reservation.instances) - len(live)
             if live:
                 reservation.instances = live
             else:
