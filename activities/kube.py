@@ -322,6 +322,7 @@ class KubeRuntime(PodApi):
             forced=bool(expected - set(acked)),
             step=step,
             held_step=max(held) if held else None,
+            done=store.done() is not None,
         )
 
     def _wait_acks(

@@ -419,6 +419,7 @@ class LocalRuntime:
             forced=forced,
             step=step,
             held_step=max(parked.values()) if parked else None,
+            done=store.done() is not None,
         )
 
     @activity.defn(name=contract.WATCH_GENERATION)

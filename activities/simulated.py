@@ -351,6 +351,7 @@ class SimulatedRuntime:
                 forced=not (acks or (held is not None and req.graceful)),
                 step=step,
                 held_step=held,
+                done=step >= gen.plan.total_steps,
             )
 
     @activity.defn(name=contract.WATCH_GENERATION)

@@ -257,6 +257,9 @@ class StopResult(Message):
     held_step: int | None = Field(
         None, description="live resize: the step the parked ranks hold in memory (resume there)"
     )
+    done: bool = Field(
+        False, description="the ranks had finished the job (its completion marker) as they stopped"
+    )
 
 
 class WatchRequest(Message):

@@ -37,7 +37,7 @@ from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.activities.ec2_ownership import LIVE_STATES, TAG_JOB, TAG_SLOT
 from spotrain.activities.local import job_processes
@@ -102,16 +102,26 @@ class TemporalServer:
             self.proc = None
 
     async def client(self) -> Client:
-        """A client once the frontend is healthy: its port opens first ("Frontend is not
-        healthy yet", seen under load)."""
+        """A client once the server runs workflows in the default namespace: its port opens
+        first, then its frontend is healthy, and only later does the frontend know the
+        namespace (beside six busy loops a workflow started in between failed with "Namespace
+        default is not found", after visibility calls had already succeeded)."""
         deadline = time.monotonic() + 60
         while True:
             try:
-                return await Client.connect(self.address, data_converter=pydantic_data_converter)
+                client = await Client.connect(self.address, data_converter=pydantic_data_converter)
+                await client.get_workflow_handle("readiness-probe").describe()
+            except RPCError as err:
+                details = err.grpc_status.details
+                if err.status == RPCStatusCode.NOT_FOUND and not any(
+                    d.type_url.endswith("NamespaceNotFoundFailure") for d in details
+                ):
+                    return client  # no such workflow, in a namespace the frontend knows
             except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+                pass  # not healthy yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"dev server not serving the default namespace: {self.log}")
+            await asyncio.sleep(0.2)
 
 
 class WorkerProcess:
@@ -244,7 +254,9 @@ class ChaosEnv:
                 "faulty_scale_down_timeout_s": 3,
                 "capacity_check_interval_s": 1,
                 "progress_report_interval_s": 1,
-                "stall_timeout_s": 60,
+                # (no stall_timeout_s: ranks hold at HOLD_AT, without progress by design, until
+                # the scenario played out, which after a crash on CI's loaded machine took over
+                # the 60 s this once was; no scenario needs the stall bound)
                 **elastic,
             },
             "spot": {
@@ -363,8 +375,8 @@ async def supervise(
     """Wait for the job's end, replacing a dead worker with a fresh (crash-free) one each time,
     and let the ranks past HOLD_AT once `go_when` holds. Returns the result (or the exception
     it ended with) and how many workers died. The timeout is generous (a cycle takes ~30 s
-    here): on a loaded machine a crash's recovery can stack a workflow task's 10 s timeout,
-    a heartbeat's 20 s and the 60 s stall bound; past it, the failure says what was stuck."""
+    here): on a loaded machine a crash's recovery can stack a workflow task's 10 s timeout
+    and a heartbeat's 20 s; past it, the failure says what was stuck."""
     job = handle.id
     go = env.records(job) / "go"
     outcome = asyncio.ensure_future(handle.result())

@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from spotrain.workflows.job.state import JobResult
 from tests.chaos.harness import (
     CYCLE_SIZES,
     FULL,
@@ -80,8 +81,10 @@ async def crash_cycle(env: ChaosEnv, point: str, limit: asyncio.Semaphore) -> Fi
     fired = env.fired_file(job)
     if not fired.exists() or deaths != 1:
         fig.problems.append(f"crash point not reached ({deaths} worker deaths)")
-    if getattr(result, "phase", None) != "Succeeded":
+    if not isinstance(result, JobResult) or result.phase != "Succeeded":
         fig.problems.append(f"job ended with {result!r}")
+    elif fig.problems:  # the job's own account of its generations says why
+        fig.problems += [f"{e.generation} {e.event}: {e.detail}" for e in result.timeline]
     fig.survived = int(not fig.problems)
     return fig
 

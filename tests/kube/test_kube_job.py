@@ -107,7 +107,7 @@ async def test_live_training_job_on_kubernetes(
     """`resize: live` through the whole workflow on Kubernetes, with the real example in every
     pod: a reclaim notice shrinks the job and the replacement grows it back, a node lost
     without notice costs at most a step; the pods of surviving ranks are never replaced, so
-    the job's five pods are the first three and one per replacement."""
+    each node holds one pod over the whole job."""
     name = f"live-{uuid.uuid4().hex[:8]}"
     spec = live_job_spec(name, tmp_path, image="ghcr.io/example/train:1")
     core = client.CoreV1Api(cluster.admin)
@@ -162,8 +162,11 @@ async def test_live_training_job_on_kubernetes(
     gone = [e[2] for e in timeline if e[1] == "node gone"]
     assert books_the_two_losses(gone, noticed, lost), told
     assert result.steps_done == 1200 and result.steps_lost <= 1, result
-    # Pods are made only for the first three nodes and the two replacements.
-    assert len(kubelet.started) == 5, kubelet.started
+    # Pods are made only for the first three nodes and the replacements: one per node, ever
+    # (the second replacement's only if it came before the job's last step, see above).
+    pods = "\n".join(map(str, kubelet.started))
+    nodes = [node for _, node, _ in kubelet.started]
+    assert len(set(nodes)) == len(nodes) and len(nodes) in (4, 5), f"{pods}\n{told}"
     assert all(node == node_name(instance) for _, node, instance in kubelet.started)
     assert kubelet.running == {} and cloud.running() == []
 

@@ -372,6 +372,36 @@ async def test_stall_is_a_fault(dev_env: WorkflowEnvironment) -> None:
     assert result.steps_done == 600
 
 
+class FinishesAsStoppedRuntime(SimulatedRuntime):
+    """The ranks run their last step just as a stop reaches them: a resize decided before a
+    watch saw the end (on a loaded machine, Kubernetes showed the growth after a loss
+    starting a whole new generation of pods for a job already finished)."""
+
+    @activity.defn(name=contract.STOP_GENERATION)
+    def stop_generation(self, req: StopRequest) -> StopResult:
+        with self._lock:
+            gen = self.jobs[req.job].generations[req.generation]
+            gen.start_step = gen.plan.total_steps
+        return super().stop_generation(req)
+
+
+async def test_a_job_finished_as_its_generation_stops_completes(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    async with simulated(dev_env.client, runtime=FinishesAsStoppedRuntime()) as sim:
+        handle = await sim.start(fast_spec())
+        victim = members(await until(sim, handle, running_at(4)))[0]
+        await handle.signal(
+            "reclaim", {"node_id": victim, "deadline": in_seconds(120), "event_id": "r"}
+        )
+        result = await handle.result()
+    assert (result.phase, result.steps_done, result.steps_lost) == ("Succeeded", 600, 0)
+    assert sizes(result) == [4]  # no generation after the end
+    events = [e.event for e in result.timeline]
+    assert events[events.index("completed") - 1] == "generation checkpointed", events
+    assert sim.cloud.running() == []
+
+
 async def test_max_restarts_exceeded_fails_with_reason(dev_env: WorkflowEnvironment) -> None:
     # No generation checkpoints or ends before its fault, however late a loaded machine
     # injects it (beside two busy loops one generation ran the whole job first).

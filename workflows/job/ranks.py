@@ -144,4 +144,6 @@ class Ranks:
         else:
             how = "checkpointed" if graceful and not result.forced else "stopped"
         s.record(workflow.now(), f"generation {how}", f"{reason}; resume from step {s.step}")
+        if s.finished:
+            s.record(workflow.now(), "completed", f"step {s.step}, as the generation stopped")
         return result

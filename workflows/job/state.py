@@ -158,6 +158,9 @@ class JobState(BaseModel):
     submitted_at: datetime | None = None
     hold_until: datetime | None = None
     held: bool = Field(False, description="the last stop parked its ranks, holding the state")
+    finished: bool = Field(
+        False, description="the ranks finished the job as they were stopped: nothing is left"
+    )
     prepared: list[int] = Field(
         default_factory=list, description="slots whose ranks got a head start (live resize)"
     )
@@ -239,6 +242,10 @@ class JobState(BaseModel):
         done since are lost: counted from the step the ranks reached (the runtime's word),
         not the last one a watch saw, which lags it by up to a report interval."""
         self.running = False
+        if result.done:  # (a resize decided just as the last step ran: nothing was lost)
+            self.finished = True
+            self.step = max(self.step, result.step or self.spec.total_steps)
+            return
         if result.step is not None:
             self.step = max(self.step, result.step)
         if result.checkpoint_step is not None:

@@ -255,6 +255,8 @@ class TrainingJob:
             if self.fleet.fatal:
                 raise JobFailed(self.fleet.fatal)
             await self._handle_inbox()
+            if s.finished:  # (its last generation finished as it was being stopped)
+                return False
             if why := budget_hooks.check(s, self._now()):
                 await self._pause(why)
             await self.pool.report()
