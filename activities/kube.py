@@ -296,7 +296,7 @@ class KubeRuntime(PodApi):
                     stop = {"metadata": {"annotations": {CONTROL: STOP}}}
                     self.core.patch_namespaced_pod(name, ns, stop, _content_type=MERGE_PATCH)
             self._wait_acks(ns, selector, store, req, expected)
-        acked, checkpoint_step, step = store.ended(req.generation)
+        acked, checkpoint_step, step, done = store.ended(req.generation)
         parked: dict[str, kube_live.ParkedPod] = {}
         if req.live:
             now, _ = self._list_pods(ns, selector)
@@ -322,7 +322,7 @@ class KubeRuntime(PodApi):
             forced=bool(expected - set(acked)),
             step=step,
             held_step=max(held) if held else None,
-            done=store.done() is not None,
+            done=done,
         )
 
     def _wait_acks(

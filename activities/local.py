@@ -412,14 +412,14 @@ class LocalRuntime:
             self._wait(lambda: not any(r.alive() for r in survivors), self.term_grace_s)
         self._kill(survivors)
         forced = forced or bool(survivors)
-        acked, checkpoint_step, step = store.ended(req.generation)
+        acked, checkpoint_step, step, done = store.ended(req.generation)
         return StopResult(
             acked_ranks=acked,
             checkpoint_step=checkpoint_step,
             forced=forced,
             step=step,
             held_step=max(parked.values()) if parked else None,
-            done=store.done() is not None,
+            done=done,
         )
 
     @activity.defn(name=contract.WATCH_GENERATION)

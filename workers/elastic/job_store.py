@@ -200,21 +200,22 @@ class JobStore:
         keys = self.store.list_keys(f"{self._gen(generation)}/ack/")
         return [a for a in (self.store.get_json(k) for k in keys) if a]
 
-    def ended(self, generation: int) -> tuple[list[int], int | None, int | None]:
-        """For a stop: the generation's acked ranks, the latest checkpoint's step and the step
-        its ranks had reached (rank 0's last progress). A location that refuses reads reports
-        none, so that the stop still ends (the start failed, or will, with the store's
-        message) instead of retrying forever."""
+    def ended(self, generation: int) -> tuple[list[int], int | None, int | None, bool]:
+        """For a stop: the generation's acked ranks, the latest checkpoint's step, the step
+        its ranks had reached (rank 0's last progress) and whether the job is done. A location
+        that refuses reads reports none, so that the stop still ends (the start failed, or
+        will, with the store's message) instead of retrying forever."""
         try:
             latest, progress = self.latest_checkpoint(), self.progress(generation)
             return (
                 self.acked_ranks(generation),
                 latest["step"] if latest else None,
                 progress["step"] if progress else None,
+                self.done() is not None,
             )
         except Exception as err:
             if _refused(err):
-                return [], None, None
+                return [], None, None, False
             raise
 
     def acked_ranks(self, generation: int) -> list[int]:
