@@ -270,7 +270,8 @@ class KubeRuntime(PodApi):
         if graceful (or live), raise the elastic event on the others and wait up to `grace_s`
         for their acks. Live: a pod whose ranks all acked is parked and stays (kube_live.py).
         The rest are deleted with that grace period, all but Failed ones (kept for debugging
-        until cleanup). Returns once they are gone."""
+        until cleanup); a job found done also loses the next generation's head start. Returns
+        once they are gone."""
         ns = self._ns(req.job)
         selector = owner_selector(req.job, req.generation)
         store = JobStore(req.checkpoint)
@@ -297,6 +298,9 @@ class KubeRuntime(PodApi):
                     self.core.patch_namespaced_pod(name, ns, stop, _content_type=MERGE_PATCH)
             self._wait_acks(ns, selector, store, req, expected)
         acked, checkpoint_step, step, done = store.ended(req.generation)
+        if done:  # the next generation will never run: its head start (live) holds nothing
+            head_start, _ = self._list_pods(ns, owner_selector(req.job, req.generation + 1))
+            self._delete_pods(ns, set(head_start), grace_s=0)
         parked: dict[str, kube_live.ParkedPod] = {}
         if req.live:
             now, _ = self._list_pods(ns, selector)

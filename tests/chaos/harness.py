@@ -107,14 +107,19 @@ class TemporalServer:
         namespace (beside six busy loops a workflow started in between failed with "Namespace
         default is not found", after visibility calls had already succeeded)."""
         deadline = time.monotonic() + 60
+        client: Client | None = None
         while True:
             try:
-                client = await Client.connect(self.address, data_converter=pydantic_data_converter)
+                client = client or await Client.connect(
+                    self.address, data_converter=pydantic_data_converter
+                )
                 await client.get_workflow_handle("readiness-probe").describe()
             except RPCError as err:
                 details = err.grpc_status.details
-                if err.status == RPCStatusCode.NOT_FOUND and not any(
-                    d.type_url.endswith("NamespaceNotFoundFailure") for d in details
+                if (
+                    client
+                    and err.status == RPCStatusCode.NOT_FOUND
+                    and not any(d.type_url.endswith("NamespaceNotFoundFailure") for d in details)
                 ):
                     return client  # no such workflow, in a namespace the frontend knows
             except RuntimeError:

@@ -256,3 +256,23 @@ def test_a_node_lost_without_notice_costs_at_most_the_step_in_flight(
         range(TOTAL_STEPS * GLOBAL_BATCH)
     )
     assert len(kubelet.started) == 3  # no pod was started again
+
+
+def test_a_stop_that_finds_the_job_done_ends_the_next_generations_head_start(
+    cluster: ControlPlane, kubelet: LocalKubelet, runtime: KubeRuntime, tmp_path: Path
+) -> None:
+    """A resize decided as the last step ran: the stop reports the job done, and the head
+    start made for the generation that will now never run goes at once (left Running until
+    cleanup, it was deleted gracefully while its node was being released, and no kubelet was
+    left to end it: CI saw it outlive the job)."""
+    core = client.CoreV1Api(cluster.admin)
+    gen1 = plan(tmp_path, 1, ["i-0aaa", "i-0bbb"])
+    run(runtime.start_generation, gen1)
+    run_until(runtime, gen1, 5, kubelet)
+    gen2 = plan(tmp_path, 2, ["i-0aaa", "i-0bbb", NEW_NODE[0]])
+    run(runtime.prepare_generation, gen2)
+    assert "live-g2-2" in job_pods(core), logs(kubelet)
+    JobStore(gen1.checkpoint).write_done(TOTAL_STEPS, time.time())  # the last step ran
+    ended = stop(runtime, gen1, graceful=True, grace_s=30)
+    assert ended.done and "live-g2-2" not in job_pods(core), (ended, logs(kubelet))
+    run(runtime.cleanup_job, CleanupRequest(job=JOB))

@@ -38,6 +38,7 @@ def test_histories_were_recorded() -> None:
         "straggler_replace",
         "straggler_lockstep_hang",
         "scheduled_change_swap",
+        "finished_in_stop",
     }
     assert required <= scenarios, (
         f"missing {required - scenarios}: tests/replay/record_histories.py"

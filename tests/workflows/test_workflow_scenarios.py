@@ -395,6 +395,7 @@ async def test_a_job_finished_as_its_generation_stops_completes(
             "reclaim", {"node_id": victim, "deadline": in_seconds(120), "event_id": "r"}
         )
         result = await handle.result()
+        await record_history(handle, "finished_in_stop")
     assert (result.phase, result.steps_done, result.steps_lost) == ("Succeeded", 600, 0)
     assert sizes(result) == [4]  # no generation after the end
     events = [e.event for e in result.timeline]

@@ -138,6 +138,9 @@ class Ranks:
             ),
             f"{'checkpoint, ' if graceful else ''}stop generation {s.generation}: {reason}",
         )
+        if result.done and not workflow.patched("complete-when-finished-in-stop"):
+            # (a history from before: that job started another generation; replay does too)
+            result = result.model_copy(update={"done": False})
         s.note_stopped(result)
         if result.held_step is not None:
             how = "parked (live resize)"
