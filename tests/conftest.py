@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,28 @@ from tests.moto_ec2 import honour_client_tokens
 settings.register_profile("spotrain", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("timed", deadline=200)
 settings.load_profile(os.environ.get("SPOTRAIN_HYPOTHESIS_PROFILE", "spotrain"))
+
+
+CHILDREN_TMP = "spotrain-test-children-"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The processes the tests start keep their temporary files in one folder, removed at the
+    end: a process the test SIGKILLs on purpose (a crashed worker, a lost rank) never removes
+    its own (the kubernetes client's copies of a kubeconfig's CA, say). This process, and the
+    xdist workers, which inherit the folder, keep tmp_path where pytest keeps it."""
+    tempfile.tempdir = tempfile.gettempdir()
+    if not Path(tempfile.tempdir).name.startswith(CHILDREN_TMP):
+        os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=CHILDREN_TMP)
+        config.stash[children_tmp] = os.environ["TMPDIR"]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if folder := config.stash.get(children_tmp, None):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+children_tmp = pytest.StashKey[str]()
 
 
 def pytest_assertrepr_compare(op: str, left: Any, right: Any) -> list[str] | None:

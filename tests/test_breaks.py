@@ -6,7 +6,9 @@ Every break is applied to a private copy of the repository in a temporary folder
 working tree, so an interrupted run or a test of another xdist worker never sees broken code.
 The copy is imported through a `spotrain` package of links that PYTHONPATH puts before the
 editable install, and with no bytecode written (a break and its undo can leave a file of the
-same size in the same second). A break counts as caught when a named test FAILS (exit code 1
+same size in the same second). The runs fork from a process per copy that has the heavy
+libraries imported (tests/breaks/warm_pytest.py), so each costs its tests, not pytest's start,
+and imports spotrain's code afresh. A break counts as caught when a named test FAILS (exit code 1
 with a FAILED line): an error, a collection failure or a timeout is not a catch. A control run
 of every named test on the unbroken copy must pass, or a catch would mean nothing.
 
@@ -17,18 +19,20 @@ terminal summary lists every break caught, with its time and the test that caugh
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Queue
+from queue import Empty, Queue
 
 import pytest
 
@@ -44,7 +48,7 @@ PACKAGES = {  # the import name's last part -> the folder (pyproject's package-d
 SKIP = shutil.ignore_patterns(
     ".git", ".venv", ".ci", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", ".ruff*"
 )
-# Two at a time: most named tests are pure and the cost is pytest's start (about 2 s each).
+# Two at a time: most named tests are pure and take a second or two.
 JOBS = int(os.environ.get("SPOTRAIN_BREAK_JOBS", "2"))
 RUN_TIMEOUT_S = 280
 # A test here waits for its run, which may wait its turn behind others on a loaded machine.
@@ -75,37 +79,71 @@ def copy_repo(into: Path) -> Path:
     return root
 
 
-def run_pytest(root: Path, tests: list[str]) -> Outcome:
-    """The named tests in the copy at `root`, in a session of their own: on a timeout the
-    whole group goes (a test's own subprocesses, e.g. gloo ranks, included)."""
-    env = {**os.environ, "PYTHONPATH": str(root / "_site"), "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", *UNUSED_PLUGINS, *tests]
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return Outcome(-1, [], time.monotonic() - started, f"timed out\n{out[-1500:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # (anything it left behind)
-            os.killpg(proc.pid, signal.SIGKILL)
-    return Outcome(proc.returncode, FAILED.findall(out), time.monotonic() - started, out[-1500:])
+class WarmPytest:
+    """tests/breaks/warm_pytest.py serving the copy at `root`: each run forks a child of a
+    process that has the heavy libraries imported, so a break costs its tests, not pytest's
+    start (about 6 s of CPU). The child leads a session of its own: on a timeout it goes with
+    whatever it started (a test's gloo ranks, say)."""
+
+    def __init__(self, root: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(root / "_site"), "PYTHONDONTWRITEBYTECODE": "1"}
+        env.pop("PYTEST_XDIST_WORKER", None)
+        self.root = root
+        self.server = subprocess.Popen(
+            [sys.executable, str(root / "tests" / "breaks" / "warm_pytest.py")],
+            cwd=root,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.answers: Queue[dict[str, int]] = Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.server.stdout is not None
+        for line in self.server.stdout:
+            self.answers.put(json.loads(line))
+        self.answers.put({})  # the server has gone
+
+    def _answer(self, key: str) -> int:
+        answer = self.answers.get(timeout=RUN_TIMEOUT_S)
+        if key not in answer:
+            raise RuntimeError(f"the warm pytest server exited ({self.server.poll()})")
+        return answer[key]
+
+    def run(self, tests: list[str]) -> Outcome:
+        """The named tests, as `python -m pytest -x -q` in the copy would run them."""
+        log = self.root / "pytest.log"
+        args = ["-x", "-q", *UNUSED_PLUGINS, *tests]
+        assert self.server.stdin is not None
+        started = time.monotonic()
+        self.server.stdin.write(json.dumps({"args": args, "log": str(log)}) + "\n")
+        self.server.stdin.flush()
+        pid = self._answer("pid")
+        try:
+            returncode = self._answer("returncode")
+        except Empty:
+            os.killpg(pid, signal.SIGKILL)
+            self._answer("returncode")
+            tail = log.read_text(errors="replace")[-1500:]
+            return Outcome(-1, [], time.monotonic() - started, f"timed out\n{tail}")
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # (anything it left behind)
+                os.killpg(pid, signal.SIGKILL)
+        out = log.read_text(errors="replace")
+        return Outcome(returncode, FAILED.findall(out), time.monotonic() - started, out[-1500:])
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.server.pid, signal.SIGKILL)
+        self.server.wait()
 
 
-def apply_and_run(root: Path, brk: Break) -> Outcome:
-    """`brk` applied to the copy at `root`, its named tests run, the file restored."""
-    path = root / brk.path
+def apply_and_run(warm: WarmPytest, brk: Break) -> Outcome:
+    """`brk` applied to the copy `warm` serves, its named tests run, the file restored."""
+    path = warm.root / brk.path
     original = path.read_text()
     broken = original
     for old, new in brk.edits:
@@ -113,7 +151,7 @@ def apply_and_run(root: Path, brk: Break) -> Outcome:
         broken = broken.replace(old, new)
     path.write_text(broken)
     try:
-        return run_pytest(root, list(brk.tests))
+        return warm.run(list(brk.tests))
     finally:
         path.write_text(original)
 
@@ -138,16 +176,17 @@ def outcomes(
         if item.module is request.module and hasattr(item, "callspec")
     }
     todo = [b for b in BREAKS if b.name in selected and b.matches(REPO)]
-    copies: Queue[Path] = Queue()
-    for n in range(JOBS):
-        copies.put(copy_repo(tmp_path_factory.mktemp(f"breaks-{n}")))
+    servers = [WarmPytest(copy_repo(tmp_path_factory.mktemp(f"breaks-{n}"))) for n in range(JOBS)]
+    copies: Queue[WarmPytest] = Queue()
+    for warm in servers:
+        copies.put(warm)
 
     def in_a_copy(brk: Break | list[str]) -> Outcome:
-        root = copies.get()
+        warm = copies.get()
         try:
-            return run_pytest(root, brk) if isinstance(brk, list) else apply_and_run(root, brk)
+            return warm.run(brk) if isinstance(brk, list) else apply_and_run(warm, brk)
         finally:
-            copies.put(root)
+            copies.put(warm)
 
     by_file: dict[str, set[str]] = {}  # the control runs: a file's named tests at a time
     for t in (t for b in todo for t in b.tests):
@@ -155,9 +194,13 @@ def outcomes(
     with ThreadPoolExecutor(JOBS) as pool:
         futures = {f"control {f}": pool.submit(in_a_copy, sorted(ts)) for f, ts in by_file.items()}
         futures |= {b.name: pool.submit(in_a_copy, b) for b in todo}
-        yield futures
-        for future in futures.values():
-            future.cancel()
+        try:
+            yield futures
+        finally:
+            for future in futures.values():
+                future.cancel()
+            for warm in servers:
+                warm.close()
 
 
 def test_every_break_matches_todays_code() -> None:
@@ -166,18 +209,35 @@ def test_every_break_matches_todays_code() -> None:
     assert not stale, f"breaks that no longer match the code: {stale}"
 
 
-def test_the_copy_imports_its_own_code(tmp_path: Path) -> None:
-    """Else every break would run against the working tree's unbroken code."""
-    root = copy_repo(tmp_path)
-    code = (
-        "import spotrain.workflows.job.job_planner as m, spotrain.elastic as e; print(m.__file__)"
-    )
-    code += "; print(e.__file__)"
-    env = {**os.environ, "PYTHONPATH": str(root / "_site"), "PYTHONDONTWRITEBYTECODE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True
-    ).stdout.split()
-    assert [Path(p).resolve().is_relative_to(root.resolve()) for p in out] == [True, True], out
+PROBE = """
+from pathlib import Path
+
+import spotrain.elastic as e
+import spotrain.workflows.job.job_planner as m
+
+
+def test_spotrain_comes_from_this_copy_as_it_is_now():
+    here = Path.cwd().resolve()
+    assert Path(m.__file__).resolve().is_relative_to(here)
+    assert Path(e.__file__).resolve().is_relative_to(here)
+    assert m.PROBE_MARK == {mark}
+"""
+
+
+def test_each_run_imports_the_copys_code_as_it_is_then(tmp_path: Path) -> None:
+    """Else every break would run against the working tree's unbroken code, or the first
+    break's code would stay for the next."""
+    warm = WarmPytest(copy_repo(tmp_path))
+    planner = warm.root / "workflows" / "job" / "job_planner.py"
+    original = planner.read_text()
+    try:
+        for mark in (1, 2):
+            planner.write_text(f"{original}\nPROBE_MARK = {mark}\n")
+            (warm.root / "tests" / "test_probe.py").write_text(PROBE.format(mark=mark))
+            outcome = warm.run(["tests/test_probe.py"])
+            assert outcome.returncode == 0, outcome.tail
+    finally:
+        warm.close()
 
 
 def test_the_named_tests_pass_on_the_unbroken_copy(

@@ -227,26 +227,29 @@ async def running_webhook(
 ) -> AsyncIterator[Webhook]:
     """The service on a free port; SNS certificates are trusted from the test CA, or with
     `public_roots` from the public roots (certifi), as in production."""
-    ca_file = os.path.join(tempfile.mkdtemp(prefix="spotrain-ca-"), "ca.pem")
-    sns = FakeSnsHost(ca_file)
-    auth = AuthConfig(
-        bearer_token=TOKEN,
-        hmac_secret=HMAC_SECRET,
-        sns_topic_arns=frozenset([TOPIC, *topics]),
-        hmac_legacy=hmac_legacy,
-        **({} if public_roots else {"sns_ca_file": ca_file}),
-    )
-    service = WebhookService(
-        client,
-        WebhookConfig(auth=auth, host="127.0.0.1", port=0, **config),
-        http_get=http_get or sns.get,
-        node_names=node_names,
-        clock=clock,
-    )
-    port = await service.start()
-    async with aiohttp.ClientSession() as http:
-        yield Webhook(service, f"http://127.0.0.1:{port}", http, sns)
-    await service.stop()
+    with tempfile.TemporaryDirectory(prefix="spotrain-ca-") as ca_dir:
+        ca_file = os.path.join(ca_dir, "ca.pem")
+        sns = FakeSnsHost(ca_file)
+        auth = AuthConfig(
+            bearer_token=TOKEN,
+            hmac_secret=HMAC_SECRET,
+            sns_topic_arns=frozenset([TOPIC, *topics]),
+            hmac_legacy=hmac_legacy,
+            **({} if public_roots else {"sns_ca_file": ca_file}),
+        )
+        service = WebhookService(
+            client,
+            WebhookConfig(auth=auth, host="127.0.0.1", port=0, **config),
+            http_get=http_get or sns.get,
+            node_names=node_names,
+            clock=clock,
+        )
+        port = await service.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                yield Webhook(service, f"http://127.0.0.1:{port}", http, sns)
+        finally:
+            await service.stop()
 
 
 def aws_event(kind: str, instance_id: str, **detail: str) -> dict[str, Any]:

@@ -97,26 +97,27 @@ async def test_total_gpus_are_packed_onto_node_shapes(ts_env: WorkflowEnvironmen
     assert result.steps_done == 3_600
 
 
-async def test_thirty_day_job_with_500_reclaims_stays_under_10k_events_per_run(
+async def test_a_week_with_120_reclaims_continues_as_new_with_its_books_and_stays_bounded(
     ts_env: WorkflowEnvironment,
 ) -> None:
-    """A month of training with a reclaim notice every 86 minutes, each node replaced: the
-    job continues as new soon after a run passes its bound (so any run replays quickly),
-    carries its books across, and launches exactly one replacement per reclaim."""
-    reclaims, month_s = 500, 30 * 24 * 3600
+    """A week of training with a reclaim notice every 84 minutes, each node replaced (about
+    13,000 events): the job continues as new soon after a run passes its bound (so any run
+    replays quickly), carries its books across, and launches exactly one replacement per
+    reclaim. (A month with 500 reclaims, 27 runs, proved no more at five times the cost.)"""
+    reclaims, week_s = 120, 7 * 24 * 3600
     hourly = {"progress_report_interval_s": 3600, "capacity_check_interval_s": 3600}
     spec = job_spec(total_steps=10**9, elastic=hourly)
     async with simulated(ts_env.client) as sim:
         handle = await sim.start(spec)
         for i in range(reclaims):
-            await skip(ts_env, month_s / reclaims)
+            await skip(ts_env, week_s / reclaims)
             status = await sim.status(handle)
             ranked = sorted((n for n in status.nodes if n.rank is not None), key=lambda n: n.slot)
             victim = ranked[i % len(ranked)].node_id
             deadline = await ts_env.get_current_time() + timedelta(seconds=120)
             notice = {"node_id": victim, "deadline": deadline.isoformat(), "event_id": f"r{i}"}
             await handle.signal("reclaim", notice)
-        await skip(ts_env, month_s / reclaims)
+        await skip(ts_env, week_s / reclaims)
         status = await sim.status(handle)
         await handle.cancel()
         lengths = []  # events per run, newest first, following the continue-as-new chain
@@ -130,9 +131,9 @@ async def test_thirty_day_job_with_500_reclaims_stays_under_10k_events_per_run(
             if not run_id:
                 break
     assert status.reclaims == reclaims and status.phase == "Running" and status.world_size == 4
-    assert len(lengths) > 1 and max(lengths) < HISTORY_EVENTS_BEFORE_CONTINUE + 500, lengths
+    assert len(lengths) > 3 and max(lengths) < HISTORY_EVENTS_BEFORE_CONTINUE + 500, lengths
     assert len(sim.cloud.launches) == 4 + reclaims
-    assert status.node_hours["spot"] > 0.95 * 4 * 30 * 24  # a month of 4 nodes, books carried
+    assert status.node_hours["spot"] > 0.95 * 4 * 7 * 24  # a week of 4 nodes, books carried
     assert sim.cloud.running() == []
 
 
