@@ -35,6 +35,7 @@ settings.load_profile(os.environ.get("SPOTRAIN_HYPOTHESIS_PROFILE", "spotrain"))
 
 
 CHILDREN_TMP = "spotrain-test-children-"
+children_tmp = pytest.StashKey[str]()  # the folder, in the process that made it
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -51,9 +52,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if folder := config.stash.get(children_tmp, None):
         shutil.rmtree(folder, ignore_errors=True)
-
-
-children_tmp = pytest.StashKey[str]()
 
 
 def pytest_assertrepr_compare(op: str, left: Any, right: Any) -> list[str] | None:
