@@ -28,6 +28,8 @@ PRELOAD = (
     "boto3",
     "botocore.client",
     "moto.server",
+    "moto.ec2.models",  # tests/conftest.py's EC2 double: 2 s of each run's start otherwise
+    "moto.ec2.responses.instances",
     "hypothesis",
     "aiohttp",
     "kubernetes.client",

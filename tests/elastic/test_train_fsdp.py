@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from temporalio.testing import ActivityEnvironment
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import GenerationPlan, Member
+from tests.conftest import kill_local_ranks
 from tests.elastic.test_live_resize import consumed, pids, through_held
 from tests.elastic.test_train_ddp import plan as ddp_plan
 from tests.elastic.test_train_ddp import records, run_to_end, stop_generation, watch
@@ -65,11 +67,19 @@ def run_until(env: ActivityEnvironment, rt: LocalRuntime, p: GenerationPlan, ste
     return result.step or 0
 
 
-def reference(env: ActivityEnvironment, rt: LocalRuntime, tmp_path: Path) -> None:
-    """Two nodes, never resized: the weights every resized run must end with."""
-    ref = plan(tmp_path, 0, [0, 1], job="ref")
-    env.run(rt.start_generation, ref)
-    run_to_end(env, rt, ref)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Two nodes, never resized: the weights every resized run must end with. One run serves
+    the module's tests (four more torch ranks per test otherwise); its folder."""
+    tmp = tmp_path_factory.mktemp("fsdp-reference")
+    env, rt = ActivityEnvironment(), LocalRuntime(tmp / "rt")
+    ref = plan(tmp, 0, [0, 1], job="ref")
+    try:
+        env.run(rt.start_generation, ref)
+        run_to_end(env, rt, ref)
+        yield tmp / "ref"
+    finally:
+        kill_local_ranks(tmp)
 
 
 def assert_same_weights(resized: Path, uninterrupted: Path) -> None:
@@ -109,7 +119,7 @@ def lose_node_0(
 
 
 def assert_ended_live(
-    tmp_path: Path, rt: LocalRuntime, last: GenerationPlan, s0: int, held: int
+    tmp_path: Path, rt: LocalRuntime, last: GenerationPlan, s0: int, held: int, ref: Path
 ) -> None:
     """Three live generations (growth parked at `s0`, a loss at `held`, then `last`): every
     sample consumed once, nothing loaded from disk, an uninterrupted run's weights, no rank
@@ -121,11 +131,11 @@ def assert_ended_live(
     )
     store = JobStore(last.checkpoint)
     assert store.loaded_step(1) is None and store.loaded_step(2) is None  # nothing from disk
-    assert_same_weights(tmp_path / "fsdp", tmp_path / "ref")
+    assert_same_weights(tmp_path / "fsdp", ref)
     assert not any(r.alive() for g in range(3) for r in rt._ranks("fsdp", g))
 
 
-def test_restart_resizes_reshard_through_checkpoints(tmp_path: Path) -> None:
+def test_restart_resizes_reshard_through_checkpoints(tmp_path: Path, uninterrupted: Path) -> None:
     """2 -> 3 -> 2 nodes (4 -> 6 -> 4 ranks) by restart: each generation loads the last one's
     checkpoint onto its own mesh, and ends where an uninterrupted run does."""
     env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
@@ -139,7 +149,6 @@ def test_restart_resizes_reshard_through_checkpoints(tmp_path: Path) -> None:
         gens.append(plan(tmp_path, g, nodes))
     env.run(rt.start_generation, gens[-1])
     assert run_to_end(env, rt, gens[-1]).exit_codes == dict.fromkeys(range(2 * PROCS), 0)
-    reference(env, rt, tmp_path)
 
     rec = [records(tmp_path, g, "fsdp") for g in range(3)]
     assert first_steps(rec[1]) == list(range(stops[0] + 1, stops[1] + 1))
@@ -149,10 +158,10 @@ def test_restart_resizes_reshard_through_checkpoints(tmp_path: Path) -> None:
     )
     store = JobStore(gens[-1].checkpoint)
     assert store.loaded_step(1) == stops[0] and store.loaded_step(2) == stops[1]
-    assert_same_weights(tmp_path / "fsdp", tmp_path / "ref")
+    assert_same_weights(tmp_path / "fsdp", uninterrupted)
 
 
-def test_live_growth_and_a_replica_lost_without_notice(tmp_path: Path) -> None:
+def test_live_growth_and_a_replica_lost_without_notice(tmp_path: Path, uninterrupted: Path) -> None:
     """Live: a third node joins and takes its shards from the survivors; then a node is lost
     without notice and the other two go on from memory, having lost at most the step in
     flight. Nothing is read from disk; the weights end as an uninterrupted run's."""
@@ -176,15 +185,14 @@ def test_live_growth_and_a_replica_lost_without_notice(tmp_path: Path) -> None:
     env.run(rt.start_generation, gen2)
     assert pids(rt, 2, "fsdp")[0] == pids(rt, 1, "fsdp")[2]  # node-1's processes, renumbered
     assert run_to_end(env, rt, gen2).exit_codes == dict.fromkeys(range(2 * PROCS), 0)
-    reference(env, rt, tmp_path)
 
     rec = [records(tmp_path, g, "fsdp") for g in range(3)]
     assert first_steps(rec[1])[0] == s0 + 1 and first_steps(rec[2])[0] == held + 1
-    assert_ended_live(tmp_path, rt, gen2, s0, held)
+    assert_ended_live(tmp_path, rt, gen2, s0, held, uninterrupted)
 
 
 def test_pure_fsdp_reshards_live_and_a_lost_node_comes_back_from_its_peer_copy(
-    tmp_path: Path,
+    tmp_path: Path, uninterrupted: Path
 ) -> None:
     """Pure FSDP (one shard per rank, no replica) with `elastic.peer_copy`: a third node joins
     (4 -> 6 ranks: every shard cut anew, in memory); then node-0 is lost without notice, and
@@ -207,7 +215,6 @@ def test_pure_fsdp_reshards_live_and_a_lost_node_comes_back_from_its_peer_copy(
     gen2 = plan(tmp_path, 2, [1, 2], live=True, peer_copy=True)
     env.run(rt.start_generation, gen2)
     assert run_to_end(env, rt, gen2).exit_codes == dict.fromkeys(range(2 * PROCS), 0)
-    reference(env, rt, tmp_path)
 
     resharded = [
         json.loads((tmp_path / "fsdp" / f"gen-{g}-reshard.json").read_text()) for g in (1, 2)
@@ -216,4 +223,4 @@ def test_pure_fsdp_reshards_live_and_a_lost_node_comes_back_from_its_peer_copy(
     rec = [records(tmp_path, g, "fsdp") for g in range(3)]
     assert first_steps(rec[1])[0] == s0 + 1 and first_steps(rec[2])[0] == held + 1
     assert {e["world"] for e in rec[2][0]} == {4} and all(e["copy_s"] > 0 for e in rec[2][0])
-    assert_ended_live(tmp_path, rt, gen2, s0, held)
+    assert_ended_live(tmp_path, rt, gen2, s0, held, uninterrupted)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,8 @@ from temporalio.testing import ActivityEnvironment
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore
-from spotrain.workflows.contract import GenerationPlan, WatchResult
+from spotrain.workflows.contract import GenerationPlan
+from tests.conftest import kill_local_ranks
 from tests.elastic.test_live_resize import consumed, through_held
 from tests.elastic.test_train_ddp import records
 from tests.elastic.test_train_ddp import watch as watch_local
@@ -60,37 +61,47 @@ def on_kube(tmp_path: Path, generation: int, nodes: list[str], live: bool) -> Ge
     return p.model_copy(update={"image": "ghcr.io/example/train:1"})
 
 
-def reference(tmp_path: Path) -> Callable[[], WatchResult]:
-    """Two nodes, never resized, started on the local runtime beside the job: its watch."""
-    env, local = ActivityEnvironment(), LocalRuntime(tmp_path / "rt")
-    ref = plan(tmp_path, 0, [0, 1], job="ref", total_steps=TOTAL_STEPS)
-    env.run(local.start_generation, ref)
-    return functools.partial(watch_local, env, local, ref)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Path]]:
+    """Two nodes, never resized, on the local runtime: started once, beside the module's first
+    job, for all its tests (four more torch ranks per test otherwise). A call waits for it to
+    finish and gives its folder."""
+    tmp = tmp_path_factory.mktemp("kube-fsdp-reference")
+    env, local = ActivityEnvironment(), LocalRuntime(tmp / "rt")
+    ref = plan(tmp, 0, [0, 1], job="ref", total_steps=TOTAL_STEPS)
+
+    @functools.cache
+    def finished() -> Path:
+        deadline = time.monotonic() + 180
+        while (done := watch_local(env, local, ref)).outcome == "progress":
+            assert time.monotonic() < deadline, "the reference did not finish"
+        assert done.outcome == "completed", done
+        return tmp / "ref"
+
+    try:
+        env.run(local.start_generation, ref)
+        yield finished
+    finally:
+        kill_local_ranks(tmp)
 
 
-def run_to_end(
-    runtime: KubeRuntime,
-    p: GenerationPlan,
-    ref_watch: Callable[[], WatchResult],
-    kubelet: LocalKubelet,
-) -> None:
-    """The job's last generation and the reference both run to completion."""
+def run_to_end(runtime: KubeRuntime, p: GenerationPlan, kubelet: LocalKubelet) -> None:
+    """The job's last generation runs to completion."""
     deadline = time.monotonic() + 180
     while (result := watch(runtime, p)).outcome == "progress":
         assert time.monotonic() < deadline, logs(kubelet)
     assert result.outcome == "completed", (result, logs(kubelet))
-    while (done := ref_watch()).outcome == "progress":
-        assert time.monotonic() < deadline, "the reference did not finish"
-    assert done.outcome == "completed", done
 
 
 def test_a_sharded_job_resized_by_restart_on_kubernetes(
-    kubelet: LocalKubelet, runtime: KubeRuntime, tmp_path: Path
+    kubelet: LocalKubelet,
+    runtime: KubeRuntime,
+    tmp_path: Path,
+    uninterrupted: Callable[[], Path],
 ) -> None:
     """2 -> 3 -> 2 nodes (4 -> 6 -> 4 ranks) by restart: DCP reshards each checkpoint onto
     the next generation's pods, and every sample is consumed once."""
     a, b, c = list(NODES)
-    ref_watch = reference(tmp_path)
     stops, gens = [], [on_kube(tmp_path, 1, [a, b], live=False)]
     for g, nodes in enumerate(([a, b, c], [b, c]), start=2):
         run(runtime.start_generation, gens[-1])
@@ -100,7 +111,7 @@ def test_a_sharded_job_resized_by_restart_on_kubernetes(
         stops.append(done.checkpoint_step)
         gens.append(on_kube(tmp_path, g, nodes, live=False))
     run(runtime.start_generation, gens[-1])
-    run_to_end(runtime, gens[-1], ref_watch, kubelet)
+    run_to_end(runtime, gens[-1], kubelet)
 
     assert [name for name, _, _ in kubelet.started] == [  # new pods at every generation
         f"{JOB}-g1-0",
@@ -118,11 +129,15 @@ def test_a_sharded_job_resized_by_restart_on_kubernetes(
     )
     store = JobStore(gens[-1].checkpoint)
     assert store.loaded_step(2) == stops[0] and store.loaded_step(3) == stops[1]
-    assert_same_weights(tmp_path / JOB, tmp_path / "ref")
+    assert_same_weights(tmp_path / JOB, uninterrupted())
 
 
 def test_a_sharded_job_grows_and_loses_a_node_live_on_kubernetes(
-    cluster: ControlPlane, kubelet: LocalKubelet, runtime: KubeRuntime, tmp_path: Path
+    cluster: ControlPlane,
+    kubelet: LocalKubelet,
+    runtime: KubeRuntime,
+    tmp_path: Path,
+    uninterrupted: Callable[[], Path],
 ) -> None:
     core = client.CoreV1Api(cluster.admin)
     a, b, c = list(NODES)
@@ -130,7 +145,6 @@ def test_a_sharded_job_grows_and_loses_a_node_live_on_kubernetes(
     def on(generation: int, nodes: list[str]) -> GenerationPlan:
         return on_kube(tmp_path, generation, nodes, live=True)
 
-    ref_watch = reference(tmp_path)
     gen1 = on(1, [a, b])
     run(runtime.start_generation, gen1)
     run_until(runtime, gen1, 8, kubelet)
@@ -159,7 +173,7 @@ def test_a_sharded_job_grows_and_loses_a_node_live_on_kubernetes(
     assert lost.acked_ranks == [0, 1, 4, 5] and held is not None, logs(kubelet)
     gen3 = on(3, [a, c])
     run(runtime.start_generation, gen3)
-    run_to_end(runtime, gen3, ref_watch, kubelet)
+    run_to_end(runtime, gen3, kubelet)
 
     # Three pods for the whole job, each with the node's processes: two, then the joiner.
     assert [name for name, _, _ in kubelet.started] == [
@@ -176,4 +190,4 @@ def test_a_sharded_job_grows_and_loses_a_node_live_on_kubernetes(
     )
     store = JobStore(gen3.checkpoint)
     assert store.loaded_step(2) is None and store.loaded_step(3) is None  # nothing from disk
-    assert_same_weights(tmp_path / JOB, tmp_path / "ref")
+    assert_same_weights(tmp_path / JOB, uninterrupted())
