@@ -105,7 +105,7 @@ PEER_COPY_BREAKS = [
     Break(
         "a new generation's mesh forgets DTensor's caches",
         SH_PY,
-        "    debug._clear_sharding_prop_cache()\n",
+        "    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()\n",
         "    return\n",
         PC("test_a_new_generations_mesh_is_not_an_old_one_from_dtensors_caches"),
     ),

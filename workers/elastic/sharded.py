@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard, debug
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._redistribute import _gen_transform_infos
 
 from spotrain import elastic
@@ -86,8 +86,11 @@ def _forget_meshes() -> None:
     other of the same shape and names whatever this process's place in it, so a process
     renumbered into a mesh shape it had before (node-1's ranks 2, 3 of 4 becoming 0, 1 of 4
     after node-0 is lost) would get the old mesh back from a cached propagation (in
-    `to_empty`, an optimizer's `zeros_like`...): its old coordinate, its destroyed groups."""
-    debug._clear_sharding_prop_cache()
+    `to_empty`, an optimizer's `zeros_like`...): its old coordinate, its destroyed groups.
+    What `torch.distributed.tensor.debug._clear_sharding_prop_cache` does, without importing
+    that package (it pulls in inductor, dynamo and sympy: 2-3 s of CPU at every rank's start)."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
     _gen_transform_infos.cache_clear()
 
 
