@@ -82,13 +82,10 @@ def node_mesh(s: elastic.Settings, device_type: str) -> DeviceMesh:
 
 
 def _forget_meshes() -> None:
-    """Before a generation's mesh: drop DTensor's sharding caches. A DeviceMesh equals any
-    other of the same shape and names whatever this process's place in it, so a process
-    renumbered into a mesh shape it had before (node-1's ranks 2, 3 of 4 becoming 0, 1 of 4
-    after node-0 is lost) would get the old mesh back from a cached propagation (in
-    `to_empty`, an optimizer's `zeros_like`...): its old coordinate, its destroyed groups.
-    What `torch.distributed.tensor.debug._clear_sharding_prop_cache` does, without importing
-    that package (it pulls in inductor, dynamo and sympy: 2-3 s of CPU at every rank's start)."""
+    """Before a generation's mesh: drop DTensor's sharding caches, or a process renumbered
+    into a mesh shape it had before gets its old mesh back (its old coordinate, its destroyed
+    groups). As `tensor.debug._clear_sharding_prop_cache`, whose import costs every rank's
+    start 1.5 s (docs/sharded.md)."""
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
     _gen_transform_infos.cache_clear()
