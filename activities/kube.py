@@ -36,6 +36,7 @@ kube_live.py.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -153,6 +154,11 @@ class KubeRuntime(PodApi):
         self.ack_poll_s = ack_poll_s
         self.head_start_s = head_start_s
         self.tolerations = tolerations
+
+    @classmethod
+    def from_env(cls) -> KubeRuntime:
+        """As the worker and `spotrain release` configure it: SPOTRAIN_K8S_NAMESPACE."""
+        return cls(namespace=os.environ.get("SPOTRAIN_K8S_NAMESPACE", "spotrain"))
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
@@ -423,6 +429,14 @@ class KubeRuntime(PodApi):
             absent(self.core.delete_namespaced_config_map, cm.metadata.name, ns)
         # The SSH keys: deleted by label, never read back (no get or list on Secrets).
         self.core.delete_collection_namespaced_secret(ns, label_selector=selector)
+
+    @config_errors
+    def release_job(self, job: str) -> list[str]:
+        """`spotrain release`, for a job whose workflow cannot run its own cleanup: everything
+        the job owns here goes, Failed pods too. The names of the pods it found."""
+        pods, _ = self._list_pods(self._ns(job), owner_selector(job))
+        self.cleanup_job(CleanupRequest(job=job, keep=False))
+        return sorted(pods)
 
     # --- objects ---------------------------------------------------------------------------
 

@@ -81,9 +81,7 @@ def build_activities(provider: str, runtime: str, state_dir: Path) -> list[Calla
     elif runtime == "kubernetes":
         from spotrain.activities.kube import KubeRuntime
 
-        activities += KubeRuntime(
-            namespace=os.environ.get("SPOTRAIN_K8S_NAMESPACE", "spotrain")
-        ).activities()
+        activities += KubeRuntime.from_env().activities()
     elif runtime == "simulated":
         from spotrain.activities.simulated import SimulatedRuntime
 

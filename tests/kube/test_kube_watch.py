@@ -4,7 +4,10 @@ helpers in tests/kube/kube_support.py, kubelet stand-ins in tests/kube/kube_kube
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -14,8 +17,10 @@ import pytest
 import yaml
 from kubernetes import client, utils, watch
 from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.kube import KubeRuntime
+from spotrain.activities.kube_objects import owner_selector
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -203,6 +208,58 @@ def test_cleanup_deletes_the_job_or_keeps_failed_pods(
     assert [s.metadata.name for s in services] == ["spotrain-other"]
     assert core.list_namespaced_config_map(NS, label_selector="spotrain.io/managed").items == []
     run(runtime.cleanup_job, CleanupRequest(job=JOB, keep=keep))  # idempotent
+
+
+def test_release_deletes_a_stuck_jobs_pods_and_objects_and_no_others(
+    kube: ControlPlane,
+    core: client.CoreV1Api,
+    runtime: KubeRuntime,
+    ckpt: str,
+    dev_env: WorkflowEnvironment,
+    moto_endpoint: str,
+    tmp_path: Path,
+) -> None:
+    """`spotrain release --runtime kubernetes` (a real CLI process, as the worker's
+    ServiceAccount) for a job whose workflow cannot clean up (here Temporal has no record of
+    it): its pods, Failed ones too, Service, hostfile ConfigMap and SSH Secrets go; another
+    job's stay. Without a kubeconfig it refuses before changing anything."""
+    run(runtime.start_generation, plan_for(ckpt, job_type="horovod"))
+    other = plan_for(ckpt, nodes=1, job_type="horovod").model_copy(update={"job": "other"})
+    run(runtime.start_generation, other)
+    finish_pod(core, NS, "mnist-g1-1", 1)
+    env = os.environ | {
+        "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
+        "SPOTRAIN_EC2_ENDPOINT": moto_endpoint,
+        "SPOTRAIN_K8S_NAMESPACE": NS,
+        "KUBECONFIG": str(kube.service_account_kubeconfig("spotrain-worker")),
+    }
+
+    def release(**extra: str) -> subprocess.CompletedProcess[str]:
+        argv = ["release", JOB, "--runtime", "kubernetes", "--state-dir", str(tmp_path), "--json"]
+        return subprocess.run(
+            [sys.executable, "-m", "spotrain.workers.cli.main", *argv],
+            env=env | extra,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    refused = release(KUBECONFIG=str(tmp_path / "missing"))
+    assert refused.returncode == 2 and "set KUBECONFIG" in refused.stderr, refused
+    assert "Traceback" not in refused.stderr and len(pods(core)) == 4
+    done = release()
+    assert done.returncode == 0, done
+    assert json.loads(done.stdout)["pods"] == [f"mnist-g1-{i}" for i in range(3)], done.stdout
+    staying = sorted(n for n, p in pods(core).items() if not p.metadata.deletion_timestamp)
+    assert staying == ["other-g1-0"]
+    assert [s.metadata.name for s in core.list_namespaced_service(NS).items] == ["spotrain-other"]
+    mine = owner_selector(JOB)
+    assert core.list_namespaced_config_map(NS, label_selector=mine).items == []
+    assert core.list_namespaced_secret(NS, label_selector=mine).items == []
+    for kind in (core.list_namespaced_config_map, core.list_namespaced_secret):
+        assert kind(NS, label_selector=owner_selector("other")).items
+    again = release()  # idempotent: only the terminating pods are left to find
+    assert again.returncode == 0 and json.loads(again.stdout)["workflow"] == "unknown to Temporal"
 
 
 def test_namespace_per_job(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from spotrain.workers.cli.support import (
 
 if TYPE_CHECKING:
     from spotrain.activities.ec2_ownership import Orphan
+    from spotrain.activities.kube import KubeRuntime
 
 RELEASED = "spotrain release: the workflow task kept failing; its nodes were released by tag"
 
@@ -129,6 +131,34 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     return OK
 
 
+def kube_runtime(args: argparse.Namespace) -> KubeRuntime | None:
+    """The Kubernetes runtime the job's worker used (`--runtime`, else SPOTRAIN_RUNTIME), its
+    kubeconfig loaded before anything changes; None for the local runtime."""
+    if (args.runtime or os.environ.get("SPOTRAIN_RUNTIME", "local")) != "kubernetes":
+        return None
+    from kubernetes.config import ConfigException
+
+    from spotrain.activities.kube import KubeRuntime
+
+    try:
+        return KubeRuntime.from_env()
+    except ConfigException as e:
+        raise CliError(f"Kubernetes: no cluster configured ({e}): set KUBECONFIG", USAGE) from None
+
+
+async def release_pods(kube: KubeRuntime, job: str) -> list[str]:
+    from kubernetes.client.exceptions import ApiException
+    from temporalio.exceptions import ApplicationError
+    from urllib3.exceptions import HTTPError
+
+    try:
+        return await asyncio.to_thread(kube.release_job, job)
+    except ApplicationError as e:  # refused: the kubeconfig's identity lacks a verb
+        raise CliError(f"Kubernetes: {e.message}") from None
+    except (ApiException, HTTPError) as e:
+        raise CliError(f"Kubernetes at {kube.core.api_client.configuration.host}: {e}") from None
+
+
 async def cmd_release(args: argparse.Namespace) -> int:
     """For a job whose workflow is wedged (it cannot run its own cleanup): terminate the
     workflow, then release what the job owns by its ownership tags, whatever Temporal says.
@@ -142,6 +172,7 @@ async def cmd_release(args: argparse.Namespace) -> int:
     from spotrain.workers.worker import DEFAULT_STATE_DIR
 
     need_aws()
+    kube = kube_runtime(args)
     c = await client()
     handle = c.get_workflow_handle(args.name)
     try:
@@ -177,10 +208,22 @@ async def cmd_release(args: argparse.Namespace) -> int:
     pids = (await asyncio.to_thread(local.reap, lambda job: job != args.name, True)).get(
         args.name, []
     )
+    pods = None if kube is None else await release_pods(kube, args.name)
     rows = instance_rows(released)
     if args.json:
-        emit_json({"job": args.name, "workflow": workflow, "instances": rows, "pids": pids})
+        body = {"job": args.name, "workflow": workflow, "instances": rows, "pids": pids}
+        emit_json(body | {"pods": pods})
         return OK
+    out.print(f"{args.name}: workflow {workflow}")
+    out.print(
+        instance_table(rows, "terminated") if rows else f"no live instances tagged {args.name}"
+    )
+    killed = ", ".join(map(str, pids))
+    out.print(f"killed rank processes: {killed}" if pids else "no rank processes")
+    if kube is not None:
+        deleted = ", ".join(pods or [])
+        out.print(f"deleted pods: {deleted}" if pods else f"no pods labelled {args.name}")
+    return OK
     out.print(f"{args.name}: workflow {workflow}")
     out.print(
         instance_table(rows, "terminated") if rows else f"no live instances tagged {args.name}"

@@ -245,16 +245,23 @@ def parser() -> argparse.ArgumentParser:
         "release",
         cmd_release,
         "for a STUCK job (its workflow task keeps failing): terminate it and release what it "
-        "owns by its ownership tags (EC2 instances in each region, local rank processes); "
-        "safe to repeat",
+        "owns by its ownership tags (EC2 instances in each region, local rank processes, or "
+        "its pods and objects on Kubernetes); safe to repeat",
         "  spotrain release my-job\n  spotrain release my-job --region us-east-1 --region "
-        "us-west-2 --json",
+        "us-west-2 --json\n  spotrain release my-job --runtime kubernetes",
     )
     c.add_argument(
         "--force", action="store_true", help="a job that is not stuck too (no checkpoint first)"
     )
     c.add_argument("--region", action="append", help="a region to search; repeat for more")
     c.add_argument("--state-dir", type=Path, help="local runtime's (default ~/.spotrain)")
+    c.add_argument(
+        "--runtime",
+        choices=("local", "kubernetes"),
+        help="the job's worker's runtime (default: SPOTRAIN_RUNTIME, else local); kubernetes "
+        "deletes the job's pods, Service, ConfigMaps and Secrets in SPOTRAIN_K8S_NAMESPACE "
+        "with the kubeconfig's identity",
+    )
     c.add_argument("--json", action="store_true", help="what was released, as one JSON object")
 
     c = named(
