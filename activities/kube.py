@@ -61,7 +61,9 @@ from spotrain.activities.kube_api import (
 from spotrain.activities.kube_objects import (
     CONTROL,
     GENERATION,
+    JOB,
     LOGIN_TYPES,
+    MANAGED,
     MEMBERS,
     NODE_ID,
     RANK,
@@ -437,6 +439,28 @@ class KubeRuntime(PodApi):
         pods, _ = self._list_pods(self._ns(job), owner_selector(job))
         self.cleanup_job(CleanupRequest(job=job, keep=False))
         return sorted(pods)
+
+    def reap(
+        self, is_job_running: Callable[[str], bool], apply: bool = False
+    ) -> dict[str, list[str]]:
+        """`spotrain gc`: jobs with pods or a Service in the (shared) namespace whose workflow
+        no longer runs (a terminated workflow runs no cleanup): job -> pod names. Only with
+        `apply` is each released; the default is a dry run. A namespace per job (`{job}`)
+        cannot be listed by one Role: nothing is found there."""
+        if "{job}" in self.namespace:
+            return {}
+        selector = f"{MANAGED}=true"
+        services = self.core.list_namespaced_service(self.namespace, label_selector=selector)
+        found: dict[str, list[str]] = {s.metadata.labels[JOB]: [] for s in services.items}
+        for pod in self.core.list_namespaced_pod(self.namespace, label_selector=selector).items:
+            found.setdefault(pod.metadata.labels[JOB], []).append(pod.metadata.name)
+        orphans = {
+            job: sorted(pods) for job, pods in sorted(found.items()) if not is_job_running(job)
+        }
+        if apply:
+            for job in orphans:
+                self.release_job(job)
+        return orphans
 
     # --- objects ---------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ helpers in tests/kube/kube_support.py, kubelet stand-ins in tests/kube/kube_kube
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes import client, utils, watch
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
@@ -26,6 +29,7 @@ from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
 )
+from spotrain.workflows.job import attributes
 from tests.kube.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
 from tests.kube.kube_kubelet import finish_pod
 from tests.kube.kube_support import (  # noqa: F401 (fixtures)
@@ -210,6 +214,26 @@ def test_cleanup_deletes_the_job_or_keeps_failed_pods(
     run(runtime.cleanup_job, CleanupRequest(job=JOB, keep=keep))  # idempotent
 
 
+def cli_env(kube: ControlPlane, dev_env: WorkflowEnvironment, moto: str) -> dict[str, str]:
+    """The CLI's environment: the Temporal dev server, moto, and the worker's kubeconfig."""
+    return os.environ | {
+        "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
+        "SPOTRAIN_EC2_ENDPOINT": moto,
+        "SPOTRAIN_K8S_NAMESPACE": NS,
+        "KUBECONFIG": str(kube.service_account_kubeconfig("spotrain-worker")),
+    }
+
+
+def spotrain(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "spotrain.workers.cli.main", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_release_deletes_a_stuck_jobs_pods_and_objects_and_no_others(
     kube: ControlPlane,
     core: client.CoreV1Api,
@@ -227,22 +251,11 @@ def test_release_deletes_a_stuck_jobs_pods_and_objects_and_no_others(
     other = plan_for(ckpt, nodes=1, job_type="horovod").model_copy(update={"job": "other"})
     run(runtime.start_generation, other)
     finish_pod(core, NS, "mnist-g1-1", 1)
-    env = os.environ | {
-        "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
-        "SPOTRAIN_EC2_ENDPOINT": moto_endpoint,
-        "SPOTRAIN_K8S_NAMESPACE": NS,
-        "KUBECONFIG": str(kube.service_account_kubeconfig("spotrain-worker")),
-    }
+    env = cli_env(kube, dev_env, moto_endpoint)
 
     def release(**extra: str) -> subprocess.CompletedProcess[str]:
         argv = ["release", JOB, "--runtime", "kubernetes", "--state-dir", str(tmp_path), "--json"]
-        return subprocess.run(
-            [sys.executable, "-m", "spotrain.workers.cli.main", *argv],
-            env=env | extra,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return spotrain(*argv, env=env | extra)
 
     refused = release(KUBECONFIG=str(tmp_path / "missing"))
     assert refused.returncode == 2 and "set KUBECONFIG" in refused.stderr, refused
@@ -356,3 +369,46 @@ def may_list_pods(kube: ControlPlane) -> bool:
     )
     answer = client.AuthorizationV1Api(kube.admin).create_subject_access_review(review)
     return bool(answer.status.allowed)
+
+
+async def test_gc_releases_the_objects_of_jobs_that_do_not_run_and_no_others(
+    kube: ControlPlane,
+    core: client.CoreV1Api,
+    runtime: KubeRuntime,
+    ckpt: str,
+    dev_env: WorkflowEnvironment,
+    moto_endpoint: str,
+    tmp_path: Path,
+) -> None:
+    """`spotrain gc --runtime kubernetes`: pods of a job Temporal does not know are orphans;
+    those of a job whose workflow runs, by its name or (the operator's) by a `k8s/...` id that
+    carries the name as SpotrainJob, are not. `release` of the operator's job by its name finds
+    its workflow, which is not stuck, and refuses."""
+    jobs = {"gone": "gone-job", "submitted": "cli-job", "operator": "op-job-1a2b3c4d"}
+    for name in jobs.values():
+        plan = plan_for(ckpt, nodes=1).model_copy(update={"job": name})
+        await asyncio.to_thread(run, runtime.start_generation, plan)
+    # Running workflows (no worker polls their queue): by name, and as the operator starts one.
+    start = functools.partial(dev_env.client.start_workflow, "TrainingJob", task_queue="nobody")
+    operator = TypedSearchAttributes([SearchAttributePair(attributes.JOB, jobs["operator"])])
+    pending = [
+        await start(id=jobs["submitted"]),
+        await start(id=f"k8s/{NS}/op-job/{uuid.uuid4()}", search_attributes=operator),
+    ]
+    try:
+        env = cli_env(kube, dev_env, moto_endpoint)
+        argv = ["gc", "--runtime", "kubernetes", "--state-dir", str(tmp_path), "--json"]
+        dry = await asyncio.to_thread(spotrain, *argv, env=env)
+        assert dry.returncode == 0, dry
+        assert json.loads(dry.stdout)["pods"] == [{"job": "gone-job", "pods": ["gone-job-g1-0"]}]
+        assert len(pods(core)) == 3  # a dry run
+        applied = await asyncio.to_thread(spotrain, *argv, "--apply", env=env)
+        assert applied.returncode == 0, applied
+        staying = sorted(n for n, p in pods(core).items() if not p.metadata.deletion_timestamp)
+        assert staying == ["cli-job-g1-0", "op-job-1a2b3c4d-g1-0"]
+        release = ["release", jobs["operator"], "--runtime", "kubernetes"]
+        refused = await asyncio.to_thread(spotrain, *release, env=env)
+        assert refused.returncode == 2 and "is running and not stuck" in refused.stderr, refused
+    finally:
+        for handle in pending:
+            await handle.terminate()

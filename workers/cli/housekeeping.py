@@ -9,11 +9,11 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.table import Table
-from temporalio.client import WorkflowExecutionStatus
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
 from spotrain.workers.cli.support import (
     OK,
@@ -22,6 +22,7 @@ from spotrain.workers.cli.support import (
     CliError,
     client,
     emit_json,
+    job_workflow,
     known,
     out,
     rpc_error,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from spotrain.activities.ec2_ownership import Orphan
     from spotrain.activities.kube import KubeRuntime
 
+T = TypeVar("T")
 RELEASED = "spotrain release: the workflow task kept failing; its nodes were released by tag"
 
 
@@ -73,9 +75,10 @@ NO_AWS = (
 
 
 async def cmd_gc(args: argparse.Namespace) -> int:
-    """What terminated jobs left: EC2 instances (by their tags) and the local runtime's rank
-    processes (by its state dir). A job counts as running unless Temporal says otherwise, and
-    an unreachable Temporal stops gc before anything is reaped."""
+    """What terminated jobs left: EC2 instances (by their tags), the local runtime's rank
+    processes (by its state dir) and, with the Kubernetes runtime, pods and objects (by their
+    labels). A job counts as running unless Temporal says otherwise, and an unreachable
+    Temporal stops gc before anything is reaped."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     from spotrain.activities.ec2 import EC2Provider
@@ -85,6 +88,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     from spotrain.workers.worker import DEFAULT_STATE_DIR
 
     need_aws()
+    kube = kube_runtime(args)
     c = await client()
     loop = asyncio.get_running_loop()
 
@@ -105,6 +109,9 @@ async def cmd_gc(args: argparse.Namespace) -> int:
             )
         ]
         processes = await asyncio.to_thread(local.reap, job_running, args.apply)
+        pods = None
+        if kube is not None:
+            pods = await on_kubernetes(kube, kube.reap, job_running, args.apply)
         checkpoints = {
             root: await asyncio.to_thread(reap_checkpoints, root, job_known, args.apply)
             for root in args.checkpoints or []
@@ -115,9 +122,16 @@ async def cmd_gc(args: argparse.Namespace) -> int:
         raise CliError(f"EC2 at {provider.endpoint_url or 'AWS'}: {e}") from None
     rows = instance_rows(orphans)
     procs = [{"job": job, "pids": pids} for job, pids in processes.items()]
+    jobs_pods = None if pods is None else [{"job": j, "pods": names} for j, names in pods.items()]
     if args.json:
         emit_json(
-            {"applied": args.apply, "orphans": rows, "processes": procs, "checkpoints": checkpoints}
+            {
+                "applied": args.apply,
+                "orphans": rows,
+                "processes": procs,
+                "pods": jobs_pods,
+                "checkpoints": checkpoints,
+            }
         )
         return OK
     title = "terminated" if args.apply else "orphans (dry run: --apply to reap)"
@@ -125,6 +139,9 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     for p in procs:
         pids = ", ".join(map(str, p["pids"]))
         out.print(f"{'killed' if args.apply else 'orphaned'} rank processes of {p['job']}: {pids}")
+    for job, names in (pods or {}).items():
+        what = "released" if args.apply else "orphaned"
+        out.print(f"{what} Kubernetes objects of {job}: pods {', '.join(names) or 'none'}")
     for root, jobs in checkpoints.items():
         what = "deleted" if args.apply else "checkpoints of jobs Temporal no longer knows"
         out.print(f"{root}: {what}: {', '.join(jobs) or 'none'}")
@@ -146,13 +163,14 @@ def kube_runtime(args: argparse.Namespace) -> KubeRuntime | None:
         raise CliError(f"Kubernetes: no cluster configured ({e}): set KUBECONFIG", USAGE) from None
 
 
-async def release_pods(kube: KubeRuntime, job: str) -> list[str]:
+async def on_kubernetes(kube: KubeRuntime, fn: Callable[..., T], *args: Any) -> T:
+    """`fn` (a KubeRuntime method) in a thread, its API errors as one line."""
     from kubernetes.client.exceptions import ApiException
     from temporalio.exceptions import ApplicationError
     from urllib3.exceptions import HTTPError
 
     try:
-        return await asyncio.to_thread(kube.release_job, job)
+        return await asyncio.to_thread(fn, *args)
     except ApplicationError as e:  # refused: the kubeconfig's identity lacks a verb
         raise CliError(f"Kubernetes: {e.message}") from None
     except (ApiException, HTTPError) as e:
@@ -174,16 +192,12 @@ async def cmd_release(args: argparse.Namespace) -> int:
     need_aws()
     kube = kube_runtime(args)
     c = await client()
-    handle = c.get_workflow_handle(args.name)
     try:
-        description = await handle.describe(rpc_timeout=RPC_TIMEOUT)
-    except RPCError as e:
-        if e.status != RPCStatusCode.NOT_FOUND:
-            raise rpc_error(e, args.name) from None
-        workflow = "unknown to Temporal"
-    else:
-        workflow = "already closed"
-        if description.status == WorkflowExecutionStatus.RUNNING:
+        handle = await job_workflow(c, args.name, running=True)
+        if handle is None:
+            workflow = "already closed" if await known(c, args.name) else "unknown to Temporal"
+        else:
+            description = await handle.describe(rpc_timeout=RPC_TIMEOUT)
             if not args.force and await stuck(c, description) is None:
                 raise CliError(
                     f"{args.name} is running and not stuck: `spotrain cancel {args.name}` "
@@ -193,6 +207,8 @@ async def cmd_release(args: argparse.Namespace) -> int:
                 )
             await handle.terminate(reason=RELEASED, rpc_timeout=RPC_TIMEOUT)
             workflow = "terminated"
+    except RPCError as e:
+        raise rpc_error(e, args.name) from None
     provider = EC2Provider.from_env()
     try:  # the workflow is closed now: every live instance tagged with the job goes
         released = [
@@ -208,7 +224,7 @@ async def cmd_release(args: argparse.Namespace) -> int:
     pids = (await asyncio.to_thread(local.reap, lambda job: job != args.name, True)).get(
         args.name, []
     )
-    pods = None if kube is None else await release_pods(kube, args.name)
+    pods = None if kube is None else await on_kubernetes(kube, kube.release_job, args.name)
     rows = instance_rows(released)
     if args.json:
         body = {"job": args.name, "workflow": workflow, "instances": rows, "pids": pids}

@@ -102,6 +102,16 @@ def usd(text: str) -> float:
     return value
 
 
+def runtime_option(c: argparse.ArgumentParser) -> None:
+    c.add_argument(
+        "--runtime",
+        choices=("local", "kubernetes"),
+        help="the jobs' workers' runtime (default: SPOTRAIN_RUNTIME, else local); kubernetes "
+        "also covers pods, Services, ConfigMaps and Secrets labelled with the job in "
+        "SPOTRAIN_K8S_NAMESPACE, as the kubeconfig's identity",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spotrain",
@@ -222,7 +232,8 @@ def parser() -> argparse.ArgumentParser:
     c = command(
         "gc",
         cmd_gc,
-        "find (and with --apply reap) instances and local rank processes whose job is not running",
+        "find (and with --apply reap) instances, local rank processes and Kubernetes pods whose "
+        "job is not running",
         "  spotrain gc\n  spotrain gc --apply --region us-east-1 --region us-west-2",
     )
     c.add_argument("--apply", action="store_true", help="terminate (default: dry run)")
@@ -232,6 +243,7 @@ def parser() -> argparse.ArgumentParser:
         help="a region to search; repeat for more (default: boto3's, e.g. AWS_REGION)",
     )
     c.add_argument("--state-dir", type=Path, help="local runtime's (default ~/.spotrain)")
+    runtime_option(c)
     c.add_argument(
         "--checkpoints",
         action="append",
@@ -255,13 +267,7 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--region", action="append", help="a region to search; repeat for more")
     c.add_argument("--state-dir", type=Path, help="local runtime's (default ~/.spotrain)")
-    c.add_argument(
-        "--runtime",
-        choices=("local", "kubernetes"),
-        help="the job's worker's runtime (default: SPOTRAIN_RUNTIME, else local); kubernetes "
-        "deletes the job's pods, Service, ConfigMaps and Secrets in SPOTRAIN_K8S_NAMESPACE "
-        "with the kubeconfig's identity",
-    )
+    runtime_option(c)
     c.add_argument("--json", action="store_true", help="what was released, as one JSON object")
 
     c = named(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
 import uuid
@@ -32,7 +33,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from spotrain.workers.cli.report import Report
 from spotrain.workers.connect import Unreachable, connect
+from spotrain.workflows.job import attributes
 from spotrain.workflows.job.state import JobResult, JobStatus, TimelineEntry
+from spotrain.workflows.spec import NAME_PATTERN
 
 OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 3
 JOB_FAILED = "JobFailed"  # the workflow's failure type; details[0] is the JobResult
@@ -123,25 +126,36 @@ async def is_running(handle: WorkflowHandle[Any, Any]) -> bool:
     return description.status == WorkflowExecutionStatus.RUNNING
 
 
-async def runs(c: Client, workflow_id: str) -> bool:
-    """Whether a workflow with this id runs now; False for one Temporal never heard of."""
+async def job_workflow(c: Client, job: str, running: bool) -> WorkflowHandle[Any, Any] | None:
+    """The job's workflow (running, or any Temporal still has): by id, as `spotrain submit`
+    names it, else the newest that carries the job's name as SpotrainJob, as the operator's
+    `k8s/<namespace>/<name>/<uid>` ids do (its jobs' tags and labels hold the name, not the
+    id). None for a job Temporal never heard of."""
+    handle = c.get_workflow_handle(job)
     try:
-        return await is_running(c.get_workflow_handle(workflow_id))
+        description = await handle.describe(rpc_timeout=RPC_TIMEOUT)
+        if not running or description.status == WorkflowExecutionStatus.RUNNING:
+            return handle
     except RPCError as e:
-        if e.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise
+    if not re.fullmatch(NAME_PATTERN, job):  # (a tag no job wrote: nothing to ask)
+        return None
+    query = f"{attributes.JOB.name} = '{job}'"
+    query += " AND ExecutionStatus = 'Running'" if running else ""
+    async for wf in c.list_workflows(query, limit=1, rpc_timeout=RPC_TIMEOUT):
+        return c.get_workflow_handle(wf.id)
+    return None
 
 
-async def known(c: Client, workflow_id: str) -> bool:
-    """Whether Temporal still has this workflow (running, or finished within retention)."""
-    try:
-        await c.get_workflow_handle(workflow_id).describe()
-    except RPCError as e:
-        if e.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
-    return True
+async def runs(c: Client, job: str) -> bool:
+    """Whether the job (or pool: its workflow id) runs now."""
+    return await job_workflow(c, job, running=True) is not None
+
+
+async def known(c: Client, job: str) -> bool:
+    """Whether Temporal still has the job's workflow (running, or finished within retention)."""
+    return await job_workflow(c, job, running=False) is not None
 
 
 async def build_report(handle: WorkflowHandle[Any, Any]) -> Report:
