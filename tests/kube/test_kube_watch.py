@@ -214,11 +214,14 @@ def test_cleanup_deletes_the_job_or_keeps_failed_pods(
     run(runtime.cleanup_job, CleanupRequest(job=JOB, keep=keep))  # idempotent
 
 
-def cli_env(kube: ControlPlane, dev_env: WorkflowEnvironment, moto: str) -> dict[str, str]:
+@pytest.fixture(name="cli_env")
+def cli_env_fixture(
+    kube: ControlPlane, dev_env: WorkflowEnvironment, moto_endpoint: str
+) -> dict[str, str]:
     """The CLI's environment: the Temporal dev server, moto, and the worker's kubeconfig."""
     return os.environ | {
         "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
-        "SPOTRAIN_EC2_ENDPOINT": moto,
+        "SPOTRAIN_EC2_ENDPOINT": moto_endpoint,
         "SPOTRAIN_K8S_NAMESPACE": NS,
         "KUBECONFIG": str(kube.service_account_kubeconfig("spotrain-worker")),
     }
@@ -235,13 +238,7 @@ def spotrain(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 
 def test_release_deletes_a_stuck_jobs_pods_and_objects_and_no_others(
-    kube: ControlPlane,
-    core: client.CoreV1Api,
-    runtime: KubeRuntime,
-    ckpt: str,
-    dev_env: WorkflowEnvironment,
-    moto_endpoint: str,
-    tmp_path: Path,
+    core: client.CoreV1Api, runtime: KubeRuntime, ckpt: str, cli_env: dict[str, str], tmp_path: Path
 ) -> None:
     """`spotrain release --runtime kubernetes` (a real CLI process, as the worker's
     ServiceAccount) for a job whose workflow cannot clean up (here Temporal has no record of
@@ -251,11 +248,10 @@ def test_release_deletes_a_stuck_jobs_pods_and_objects_and_no_others(
     other = plan_for(ckpt, nodes=1, job_type="horovod").model_copy(update={"job": "other"})
     run(runtime.start_generation, other)
     finish_pod(core, NS, "mnist-g1-1", 1)
-    env = cli_env(kube, dev_env, moto_endpoint)
 
     def release(**extra: str) -> subprocess.CompletedProcess[str]:
         argv = ["release", JOB, "--runtime", "kubernetes", "--state-dir", str(tmp_path), "--json"]
-        return spotrain(*argv, env=env | extra)
+        return spotrain(*argv, env=cli_env | extra)
 
     refused = release(KUBECONFIG=str(tmp_path / "missing"))
     assert refused.returncode == 2 and "set KUBECONFIG" in refused.stderr, refused
@@ -372,12 +368,11 @@ def may_list_pods(kube: ControlPlane) -> bool:
 
 
 async def test_gc_releases_the_objects_of_jobs_that_do_not_run_and_no_others(
-    kube: ControlPlane,
     core: client.CoreV1Api,
     runtime: KubeRuntime,
     ckpt: str,
+    cli_env: dict[str, str],
     dev_env: WorkflowEnvironment,
-    moto_endpoint: str,
     tmp_path: Path,
 ) -> None:
     """`spotrain gc --runtime kubernetes`: pods of a job Temporal does not know are orphans;
@@ -396,18 +391,17 @@ async def test_gc_releases_the_objects_of_jobs_that_do_not_run_and_no_others(
         await start(id=f"k8s/{NS}/op-job/{uuid.uuid4()}", search_attributes=operator),
     ]
     try:
-        env = cli_env(kube, dev_env, moto_endpoint)
         argv = ["gc", "--runtime", "kubernetes", "--state-dir", str(tmp_path), "--json"]
-        dry = await asyncio.to_thread(spotrain, *argv, env=env)
+        dry = await asyncio.to_thread(spotrain, *argv, env=cli_env)
         assert dry.returncode == 0, dry
         assert json.loads(dry.stdout)["pods"] == [{"job": "gone-job", "pods": ["gone-job-g1-0"]}]
         assert len(pods(core)) == 3  # a dry run
-        applied = await asyncio.to_thread(spotrain, *argv, "--apply", env=env)
+        applied = await asyncio.to_thread(spotrain, *argv, "--apply", env=cli_env)
         assert applied.returncode == 0, applied
         staying = sorted(n for n, p in pods(core).items() if not p.metadata.deletion_timestamp)
         assert staying == ["cli-job-g1-0", "op-job-1a2b3c4d-g1-0"]
         release = ["release", jobs["operator"], "--runtime", "kubernetes"]
-        refused = await asyncio.to_thread(spotrain, *release, env=env)
+        refused = await asyncio.to_thread(spotrain, *release, env=cli_env)
         assert refused.returncode == 2 and "is running and not stuck" in refused.stderr, refused
     finally:
         for handle in pending:
