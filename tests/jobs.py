@@ -234,11 +234,16 @@ async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
 async def continue_as_new_now(handle: WorkflowHandle[Any, Any], timeout: float = 60) -> str:
     """Make the job's run continue as new at its next turn (as a long history does) and
     return the new run's id. The worker must run in this process: its workflows read the
-    bound from the very module this lowers (spotrain's modules pass through the sandbox)."""
+    bound from the very module this lowers (spotrain's modules pass through the sandbox).
+    The bound becomes the history's length now, not 0: a replay of the run's earlier tasks
+    (a sticky cache evicted under load) must decide as they did, or the worker fails its task
+    as nondeterministic (seen beside two busy loops)."""
     latest = handle._client.get_workflow_handle(handle.id)
-    before = (await latest.describe()).run_id
+    described = await latest.describe()
+    before = described.run_id
+    length = described.raw_description.workflow_execution_info.history_length
     saved = history.HISTORY_EVENTS_BEFORE_CONTINUE
-    history.HISTORY_EVENTS_BEFORE_CONTINUE = 0
+    history.HISTORY_EVENTS_BEFORE_CONTINUE = length
     try:
         deadline = time.monotonic() + timeout
         while (now := (await latest.describe()).run_id) == before:
