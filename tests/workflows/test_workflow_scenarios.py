@@ -268,8 +268,12 @@ async def test_a_repeated_update_id_is_answered_once_across_continue_as_new(
 ) -> None:
     """Temporal answers a repeated update id with the first outcome only within one run; the
     operator repeats its ScaleIn/ScaleOut updates under their ids after a crash, and by then
-    the job may have continued as new. The new run must answer from its books, not act again."""
-    async with simulated(dev_env.client, runtime=fast_runtime()) as sim:
+    the job may have continued as new. The new run must answer from its books, not act again.
+    No run is cached: every task replays its history, as after an eviction under load, so
+    `continue_as_new_now` must leave the run's earlier decisions as they were (with the
+    bound at 0 the replay fails as nondeterministic)."""
+    uncached = {"max_cached_workflows": 0}
+    async with simulated(dev_env.client, runtime=fast_runtime(), **uncached) as sim:
         elastic = {"min_nodes": 1, "max_nodes": 6, "initial_nodes": 4, "opportunistic": False}
         handle = await sim.start(fast_spec(total_steps=10_000_000, elastic=elastic))
         await until(sim, handle, running_at(4))
