@@ -240,13 +240,6 @@ async def cmd_release(args: argparse.Namespace) -> int:
         deleted = ", ".join(pods or [])
         out.print(f"deleted pods: {deleted}" if pods else f"no pods labelled {args.name}")
     return OK
-    out.print(f"{args.name}: workflow {workflow}")
-    out.print(
-        instance_table(rows, "terminated") if rows else f"no live instances tagged {args.name}"
-    )
-    killed = ", ".join(map(str, pids))
-    out.print(f"killed rank processes: {killed}" if pids else "no rank processes")
-    return OK
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
