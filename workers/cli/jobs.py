@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
-from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
+from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 from spotrain.elastic.job_store import JobStore
@@ -85,12 +85,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             else WorkflowIDReusePolicy.REJECT_DUPLICATE,
             task_queue=args.task_queue,
             result_type=JobResult,
-            search_attributes=TypedSearchAttributes(
-                [
-                    SearchAttributePair(attributes.JOB, name),
-                    SearchAttributePair(attributes.PHASE, Phase.PENDING.value),
-                ]
-            ),
+            search_attributes=attributes.at_start(name),
             static_summary=f"training job {name}: {spec['total_steps']} steps",
         )
     except WorkflowAlreadyStartedError:

@@ -44,6 +44,7 @@ from spotrain.workers.k8s.operator_status import (
     workflow_id,
 )
 from spotrain.workflows.contract import ScaleIn, ScaleOut
+from spotrain.workflows.job import attributes
 from spotrain.workflows.job.state import JobStatus
 from spotrain.workflows.spec import SpecError, parse_spec
 
@@ -144,6 +145,7 @@ class Operator:
                 id=wid,
                 task_queue=self.task_queue,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                search_attributes=attributes.at_start(spec["name"]),
                 static_summary=f"TrainingJob {meta['namespace']}/{meta['name']}",
             )
             crash_point("workflow-started")

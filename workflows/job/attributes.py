@@ -7,9 +7,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
+from temporalio.common import (
+    SearchAttributeKey,
+    SearchAttributePair,
+    SearchAttributeUpdate,
+    TypedSearchAttributes,
+)
 
-from spotrain.workflows.job.state import JobState
+from spotrain.workflows.job.state import JobState, Phase
 
 JOB = SearchAttributeKey.for_keyword("SpotrainJob")
 PHASE = SearchAttributeKey.for_keyword("SpotrainPhase")
@@ -20,6 +25,15 @@ NODE_IDS = SearchAttributeKey.for_keyword_list("SpotrainNodeIds")
 COST = SearchAttributeKey.for_float("SpotrainCost")
 
 ALL = [JOB, PHASE, WORLD_SIZE, SPOT_NODES, ON_DEMAND_NODES, NODE_IDS, COST]
+
+
+def at_start(name: str) -> TypedSearchAttributes:
+    """What a job's workflow carries from its start, before any worker runs it: its name (so
+    gc and release find a job whose workflow id is not its name, as the operator's) and
+    Pending."""
+    return TypedSearchAttributes(
+        [SearchAttributePair(JOB, name), SearchAttributePair(PHASE, Phase.PENDING.value)]
+    )
 
 
 def shown(s: JobState) -> tuple[Any, ...]:

@@ -1,8 +1,9 @@
 """The operator on the real kube-apiserver and Temporal dev server, driven with kubectl, and
 killed right after every effect of create, scale and delete: a TrainingJob's workflow starts
-once, a `kubectl scale` moves its target once, a ScaleIn by name removes that worker, a
-reclaim shows as an Event (each posted once), and `kubectl delete` ends only once every node
-is released. The worker runs the workflow with the simulated cloud and job (tests/jobs.py)."""
+once, carrying the job's name from its start, a `kubectl scale` moves its target once, a
+ScaleIn by name removes that worker, a reclaim shows as an Event (each posted once), and
+`kubectl delete` ends only once every node is released. The worker runs the workflow with
+the simulated cloud and job (tests/jobs.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.k8s.crd import API_VERSION, FINALIZER
 from spotrain.workers.k8s.operator import HOLDING
-from spotrain.workers.k8s.operator_status import workflow_id
+from spotrain.workers.k8s.operator_status import job_name, workflow_id
+from spotrain.workflows.job import attributes
 from tests.kube.k8s_cluster import ControlPlane
 from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kube.kubectl import Kubectl
@@ -45,15 +47,21 @@ async def test_operator_killed_at_every_step(
         cloud,
         worker,
     ):
+        job = training_job("mnist", 2, min_nodes=1, max_nodes=6)
+        kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(job))
+        # create, no worker yet: killed after the finalizer, after the start
+        for step in ("finalizer-added", "workflow-started"):
+            await op.crash_at(step)
+        meta = resource(kubectl, "mnist")["metadata"]
+        assert meta["finalizers"] == [FINALIZER]
+        wid = workflow_id(NS, "mnist", meta["uid"])
+        # before any worker runs it, the workflow carries the name that its nodes' tags, pods
+        # and store carry: `spotrain gc` and `release` find the job by it
+        started = await dev_env.client.get_workflow_handle(wid).describe()
+        name = started.typed_search_attributes.get(attributes.JOB)
+        assert name == job_name("mnist", meta["uid"]), started.typed_search_attributes
         async with worker():
-            job = training_job("mnist", 2, min_nodes=1, max_nodes=6)
-            kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(job))
-            # create: killed after the finalizer, after the start, after the first status
-            for step in ("finalizer-added", "workflow-started", "status-written"):
-                await op.crash_at(step)
-            meta = resource(kubectl, "mnist")["metadata"]
-            assert meta["finalizers"] == [FINALIZER]
-            wid = workflow_id(NS, "mnist", meta["uid"])
+            await op.crash_at("status-written")  # killed after the first status
             with op.running():
                 up = await wait_for(
                     lambda: status(kubectl, "mnist").get("replicas") == 2, "2 nodes"
