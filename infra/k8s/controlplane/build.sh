@@ -40,13 +40,18 @@ mkdir -p "$(dirname "$out")"
 tmp="$(mktemp -d "$(dirname "$out")/bin.tmp.XXXXXX")"
 chmod 755 "$tmp"
 trap 'rm -rf "$tmp"' EXIT
-echo "build.sh: building ${tools[*]} (Kubernetes $kube_version) into $out" >&2
-go build -p "${SPOTRAIN_GO_P:-$(nproc)}" -ldflags "$ldflags" -o "$tmp/" \
-  go.etcd.io/etcd/server/v3 \
-  k8s.io/kubernetes/cmd/kube-apiserver \
-  k8s.io/kubernetes/cmd/kube-scheduler \
-  k8s.io/kubernetes/cmd/kubectl \
-  sigs.k8s.io/kwok/cmd/kwok >&2
+packages=(
+  go.etcd.io/etcd/server/v3
+  k8s.io/kubernetes/cmd/kube-apiserver
+  k8s.io/kubernetes/cmd/kube-scheduler
+  k8s.io/kubernetes/cmd/kubectl
+  sigs.k8s.io/kwok/cmd/kwok
+)
+# Two steps, each announced, so that a progress line tells downloads from the silent compile.
+echo "build.sh: fetching the modules of ${tools[*]} (Kubernetes $kube_version)" >&2
+go list -deps "${packages[@]}" >/dev/null
+echo "build.sh: compiling ${tools[*]} into $out (modules fetched in $((SECONDS - start)) s)" >&2
+go build -p "${SPOTRAIN_GO_P:-$(nproc)}" -ldflags "$ldflags" -o "$tmp/" "${packages[@]}" >&2
 mv "$tmp/server" "$tmp/etcd"  # go names a .../v3 main after its parent
 rm -rf "$out"
 mv "$tmp" "$out"
