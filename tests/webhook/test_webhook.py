@@ -297,6 +297,8 @@ class TcpProxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self.flowing = asyncio.Event()  # cleared: Temporal's answers are held back
+        self.flowing.set()
 
     async def up(self) -> None:
         self._server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
@@ -316,11 +318,37 @@ class TcpProxy:
         async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(ConnectionError, OSError):
                 while data := await src.read(65536):
+                    await self.flowing.wait()
                     dst.write(data)
                     await dst.drain()
             dst.close()
 
         await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+
+
+async def test_a_temporal_that_answers_too_late_is_a_503_that_says_so(
+    dev_env: WorkflowEnvironment, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = TcpProxy(int(dev_env.client.service_client.config.target_host.rsplit(":", 1)[1]))
+    await proxy.up()
+    client = await Client.connect(f"127.0.0.1:{proxy.port}", data_converter=pydantic_data_converter)
+    notice = {"instance_id": "i-0slow1", "event_id": "slow-1"}
+    try:
+        async with running_webhook(client, rpc_timeout_s=1.0) as hook:
+            proxy.flowing.clear()
+            assert (await hook.post("/v1/reclaims", notice))[0] == 503
+            proxy.flowing.set()
+
+            async def sender_retry() -> bool:  # nobody's node: 202 once Temporal answers
+                return (await hook.post("/v1/reclaims", notice))[0] == 202
+
+            await eventually(sender_retry)
+    finally:
+        proxy.flowing.set()
+        await proxy.down()
+    said = [json.loads(r.getMessage()) for r in caplog.records if r.name == "spotrain.webhook"]
+    late = {(s["status"], s["message"]) for s in said if s["event"] == "temporal_unavailable"}
+    assert late == {("CANCELLED", "Timeout expired")}, said
 
 
 async def test_temporal_outage_returns_503_and_loses_nothing(

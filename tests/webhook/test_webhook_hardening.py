@@ -171,10 +171,11 @@ def test_read_timeouts_and_cache_settings_come_from_the_environment() -> None:
             "SPOTRAIN_WEBHOOK_BODY_TIMEOUT_S": "4.5",
             "SPOTRAIN_WEBHOOK_OWNER_CACHE_TTL_S": "0",
             "SPOTRAIN_WEBHOOK_BUSY_RETRY_S": "2",
+            "SPOTRAIN_WEBHOOK_RPC_TIMEOUT_S": "30",
             "SPOTRAIN_WEBHOOK_HMAC_LEGACY": "1",
         }
     )
-    assert (config.header_timeout_s, config.body_timeout_s) == (3.0, 4.5)
+    assert (config.header_timeout_s, config.body_timeout_s, config.rpc_timeout_s) == (3, 4.5, 30)
     assert (config.owner_cache_ttl_s, config.busy_retry_s) == (0.0, 2.0)
     assert config.auth.hmac_legacy and not WebhookConfig.from_env({}).auth.hmac_legacy
     for name, value in [
@@ -183,6 +184,7 @@ def test_read_timeouts_and_cache_settings_come_from_the_environment() -> None:
         ("SPOTRAIN_WEBHOOK_BODY_TIMEOUT_S", "nan"),
         ("SPOTRAIN_WEBHOOK_OWNER_CACHE_TTL_S", "-1"),
         ("SPOTRAIN_WEBHOOK_BUSY_RETRY_S", "soon"),
+        ("SPOTRAIN_WEBHOOK_RPC_TIMEOUT_S", "0"),
     ]:
         with pytest.raises(ConfigError, match="s"):
             WebhookConfig.from_env({name: value})

@@ -43,6 +43,11 @@ TOPIC = "arn:aws:sns:us-east-1:123456789012:spotrain-reclaims"
 CERT_URL = "https://sns.us-east-1.amazonaws.com/SimpleNotificationService-0123abcd.pem"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 OPENAPI = Path(webhook.__file__).with_name("openapi.yaml")
+# Each Temporal call's timeout in the tests' webhooks, unless a test sets its own: the dev
+# server on a loaded machine has taken over the product's 5 s to answer, and the webhook then
+# rightly answers 503, which a test of anything else must not take for a fault (seen once in
+# a clean-clone CI run beside two busy loops).
+RPC_TIMEOUT_S = 60.0
 
 
 @workflow.defn(name="RecordingJob")
@@ -239,7 +244,9 @@ async def running_webhook(
         )
         service = WebhookService(
             client,
-            WebhookConfig(auth=auth, host="127.0.0.1", port=0, **config),
+            WebhookConfig(
+                auth=auth, host="127.0.0.1", port=0, **{"rpc_timeout_s": RPC_TIMEOUT_S, **config}
+            ),
             http_get=http_get or sns.get,
             node_names=node_names,
             clock=clock,
@@ -301,6 +308,7 @@ async def webhook_process(
         "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
         "SPOTRAIN_WEBHOOK_HOST": "127.0.0.1",
         "SPOTRAIN_WEBHOOK_PORT": str(port),
+        "SPOTRAIN_WEBHOOK_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S),
         **settings,
     }
     proc = await asyncio.create_subprocess_exec(

@@ -201,7 +201,9 @@ class Dispatcher:
             signalled = [w for w in workflow_ids if await self._signal(w, signal, outcome)]
         except RPCError as e:
             self._metrics.inc("spotrain_webhook_temporal_errors_total")
-            log_event(logging.WARNING, "temporal_unavailable", status=e.status.name, **fields)
+            # A call Temporal did not answer in time ends CANCELLED, "Timeout expired"
+            why = {"status": e.status.name, "message": e.message}
+            log_event(logging.WARNING, "temporal_unavailable", **why, **fields)
             raise TemporalUnavailable(e.status.name) from None
         for workflow_id in signalled:
             self._metrics.inc("spotrain_webhook_signals_total", signal=signal)

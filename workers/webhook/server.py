@@ -118,6 +118,7 @@ class WebhookConfig:
             max_body_bytes=int(env.get("SPOTRAIN_WEBHOOK_MAX_BODY_BYTES", str(64 * 1024))),
             header_timeout_s=_seconds(env, "SPOTRAIN_WEBHOOK_HEADER_TIMEOUT_S", 10.0),
             body_timeout_s=_seconds(env, "SPOTRAIN_WEBHOOK_BODY_TIMEOUT_S", 10.0),
+            rpc_timeout_s=_seconds(env, "SPOTRAIN_WEBHOOK_RPC_TIMEOUT_S", 5.0),
             owner_cache_ttl_s=_seconds(env, "SPOTRAIN_WEBHOOK_OWNER_CACHE_TTL_S", 10.0),
             busy_retry_s=_seconds(env, "SPOTRAIN_WEBHOOK_BUSY_RETRY_S", 4.0),
             queue_url=env.get("SPOTRAIN_WEBHOOK_QUEUE_URL") or None,
@@ -505,6 +506,7 @@ def parser() -> argparse.ArgumentParser:
         "SPOTRAIN_WEBHOOK_SNS_TOPIC_ARNS, SPOTRAIN_WEBHOOK_QUEUE_URL (SQS mode), "
         "SPOTRAIN_WEBHOOK_KUBE_NODES=1 (resolve node names through the Kubernetes API), "
         "SPOTRAIN_WEBHOOK_HEADER_TIMEOUT_S and _BODY_TIMEOUT_S (10), "
+        "SPOTRAIN_WEBHOOK_RPC_TIMEOUT_S (5: each Temporal call), "
         "SPOTRAIN_WEBHOOK_OWNER_CACHE_TTL_S (10), SPOTRAIN_WEBHOOK_BUSY_RETRY_S (4), "
         "SPOTRAIN_WEBHOOK_HMAC_LEGACY=1 (deprecated); Temporal: "
         "TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, TEMPORAL_TLS_*, TEMPORAL_PROFILE "
