@@ -44,6 +44,13 @@ WORKER = textwrap.dedent(
     step = latest["step"] if latest else 0
     print(f"rank={s.rank} world={s.world_size} node={s.node_id} "
           f"port={os.environ['MASTER_PORT']} batch={s.local_batch_size} from={step}", flush=True)
+    # stands in for DDP's first collective: no rank steps (and checkpoints) before every rank
+    # has read where to resume, else a late rank resumes from its peers' new checkpoint
+    here = os.path.dirname(os.path.abspath(__file__))
+    mark = lambda r: os.path.join(here, f"resumed-{s.generation}-{r}")
+    open(mark(s.rank), "w").close()
+    while not all(os.path.exists(mark(r)) for r in range(s.world_size)):
+        time.sleep(0.02)
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while step < s.total_steps:
