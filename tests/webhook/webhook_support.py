@@ -43,10 +43,9 @@ TOPIC = "arn:aws:sns:us-east-1:123456789012:spotrain-reclaims"
 CERT_URL = "https://sns.us-east-1.amazonaws.com/SimpleNotificationService-0123abcd.pem"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 OPENAPI = Path(webhook.__file__).with_name("openapi.yaml")
-# Each Temporal call's timeout in the tests' webhooks, unless a test sets its own: the dev
-# server on a loaded machine has taken over the product's 5 s to answer, and the webhook then
-# rightly answers 503, which a test of anything else must not take for a fault (seen once in
-# a clean-clone CI run beside two busy loops).
+# Each Temporal call's timeout in the tests' webhooks, unless a test sets its own: a dev server
+# on a loaded machine may take over the product's 5 s, and the webhook then rightly answers
+# 503, which a test of anything else must not take for a fault.
 RPC_TIMEOUT_S = 60.0
 
 

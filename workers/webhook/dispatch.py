@@ -201,9 +201,14 @@ class Dispatcher:
             signalled = [w for w in workflow_ids if await self._signal(w, signal, outcome)]
         except RPCError as e:
             self._metrics.inc("spotrain_webhook_temporal_errors_total")
-            # A call Temporal did not answer in time ends CANCELLED, "Timeout expired"
-            why = {"status": e.status.name, "message": e.message}
-            log_event(logging.WARNING, "temporal_unavailable", **why, **fields)
+            # the message tells a client timeout (CANCELLED "Timeout expired") from the rest
+            log_event(
+                logging.WARNING,
+                "temporal_unavailable",
+                status=e.status.name,
+                message=e.message,
+                **fields,
+            )
             raise TemporalUnavailable(e.status.name) from None
         for workflow_id in signalled:
             self._metrics.inc("spotrain_webhook_signals_total", signal=signal)
