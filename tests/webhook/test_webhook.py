@@ -247,7 +247,12 @@ async def test_sns_subscription_confirmation(hook: Webhook) -> None:
     assert hook.sns.urls[-1] == subscribe
 
 
-async def test_health_readiness_and_metrics(hook: Webhook) -> None:
+async def test_health_readiness_and_metrics(hook: Webhook, jobs: Jobs) -> None:
+    await jobs.start("i-0metrics1")  # what the metrics below count, made here
+    assert (await hook.post("/v1/events/aws", aws_event(INTERRUPTION, "i-0nobody1")))[0] == 202
+    gone = aws_event(STATE_CHANGE, "i-0metrics1", state="terminated")
+    assert (await hook.post("/v1/events/aws", gone))[0] == 200
+    assert (await hook.post("/v1/reclaims", {"instance_id": "i-0x"}, headers={}))[0] == 401
     async with hook.http.get(hook.url + "/healthz") as resp:
         assert resp.status == 200
     async with hook.http.get(hook.url + "/readyz") as resp:
