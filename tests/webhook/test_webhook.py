@@ -348,12 +348,14 @@ async def test_a_temporal_that_answers_too_late_is_a_503_that_says_so(
                 return (await hook.post("/v1/reclaims", notice))[0] == 202
 
             await eventually(sender_retry)
+            retries = hook.service.metrics.counters[("spotrain_webhook_temporal_retries_total", ())]
     finally:
         proxy.flowing.set()
         await proxy.down()
     said = [json.loads(r.getMessage()) for r in caplog.records if r.name == "spotrain.webhook"]
     late = {(s["status"], s["message"]) for s in said if s["event"] == "temporal_unavailable"}
     assert late == {("CANCELLED", "Timeout expired")}, said
+    assert retries == 0  # a call that ran out its own time is not tried again within the request
 
 
 async def test_temporal_outage_returns_503_and_loses_nothing(

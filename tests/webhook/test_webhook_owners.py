@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import pytest_asyncio
 from temporalio import workflow
 from temporalio.client import Client, WorkflowHandle
@@ -154,6 +155,39 @@ async def test_a_node_nobody_owned_is_looked_up_again_not_remembered(
     assert await hook.post("/v1/reclaims", notice(node)) == (202, {"status": "unknown_instance"})
     job = await holders.start(node)  # within the index's TTL
     assert await hook.post("/v1/reclaims", notice(node, "owned")) == signalled(job)
+
+
+async def test_a_call_cut_off_by_its_closing_connection_is_tried_again(
+    dev_env: WorkflowEnvironment, hook: Webhook, holders: Holders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temporal's frontend closes a connection idle for 2 minutes with a GOAWAY, and a call
+    made as it arrives ends CANCELLED "operation was canceled" without reaching Temporal (a
+    CI run beside two busy loops lost a queue message to it; against a dev server closing
+    idle connections after 0.5 s it struck 1 call in 200 under load, and none when quiet).
+    That moment cannot be timed from outside, so the SDK's own error for it is raised here
+    once in each of the webhook's three calls; each call is tried again on the real server."""
+    node = f"i-0{uuid.uuid4().hex[:12]}"
+    job = await holders.start(node)
+    service = dev_env.client.workflow_service  # the module's webhook's client
+    cut: list[str] = []
+    for name in ("list_workflow_executions", "describe_workflow_execution",
+                 "signal_workflow_execution"):  # fmt: skip
+        real = getattr(service, name)
+
+        async def once_cut_off(req: Any, *args: Any, real: Any = real, name: str = name,
+                               **kwargs: Any) -> Any:  # fmt: skip
+            if name not in cut:
+                cut.append(name)
+                raise RPCError("operation was canceled", RPCStatusCode.CANCELLED, b"")
+            return await real(req, *args, **kwargs)
+
+        monkeypatch.setattr(service, name, once_cut_off)
+    retries = ("spotrain_webhook_temporal_retries_total", ())
+    before = hook.service.metrics.counters[retries]
+    assert await hook.post("/v1/reclaims", notice(node, "cut")) == signalled(job)
+    assert len(cut) == 3 and hook.service.metrics.counters[retries] == before + 3
+    await eventually(lambda: _has(job, 1))
+    assert await events(job) == ["cut"]
 
 
 async def _has(handle: WorkflowHandle[Any, Any], count: int) -> bool:

@@ -17,8 +17,9 @@ node id names one node of one job at a time (EC2 never reuses an instance id); s
 running jobs ever list the same id, one that took it after the last listing is found at the
 next one (within the TTL).
 
-A call that Temporal refuses as RESOURCE_EXHAUSTED (a rate limit, a busy workflow) is retried
-with jittered exponential backoff within a bounded budget before the sender is told to retry.
+A call that Temporal refuses as RESOURCE_EXHAUSTED (a rate limit, a busy workflow), or that a
+closing connection cut off unsent, is retried with jittered exponential backoff within a
+bounded budget before the sender is told to retry.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class Dispatcher:
 
     `owner_cache_ttl_s` 0 turns the index off: each notice then costs a visibility query of
     its own (the behaviour before the index; kept as a switch for one release and for the
-    benchmark). `busy_retry_s` bounds how long RESOURCE_EXHAUSTED is retried.
+    benchmark). `busy_retry_s` bounds how long a passing refusal is retried (`_rpc`).
     """
 
     def __init__(
@@ -311,20 +312,32 @@ class Dispatcher:
         return True
 
     async def _rpc(self, call: Callable[..., Awaitable[Any]], req: Any) -> Any:
-        """One Temporal call, retried after RESOURCE_EXHAUSTED for up to `busy_retry_s`: that
-        passes in moments, so the sender is not made to retry (or, for a reclaim, to lose part
-        of its two minutes). Pauses double from 50 ms to 1 s, each drawn at random below its
-        bound so that a burst's retries spread out instead of meeting the limit together. A
-        repeated signal is harmless: its request id drops the duplicate."""
+        """One Temporal call, retried for up to `busy_retry_s` when it passes in moments, so
+        the sender is not made to retry (or, for a reclaim, to lose part of its two minutes):
+        RESOURCE_EXHAUSTED, and a call cut off by its connection closing (`_cut_off`). Pauses
+        double from 50 ms to 1 s, each drawn at random below its bound so that a burst's
+        retries spread out instead of meeting the limit together. A repeated signal is
+        harmless: its request id drops the duplicate."""
         give_up = time.monotonic() + self._busy_retry_s
         bound = FIRST_RETRY_PAUSE_S
         while True:
+            sent = time.monotonic()
             try:
                 return await call(req, retry=False, timeout=self._timeout)
             except RPCError as e:
-                left = give_up - time.monotonic()
-                if e.status != RPCStatusCode.RESOURCE_EXHAUSTED or left <= 0:
+                now = time.monotonic()
+                left = give_up - now
+                busy = e.status == RPCStatusCode.RESOURCE_EXHAUSTED
+                if not (busy or self._cut_off(e, now - sent)) or left <= 0:
                     raise
             self._metrics.inc("spotrain_webhook_temporal_retries_total")
             await asyncio.sleep(min(left, random.uniform(0, bound)))
             bound = min(2 * bound, MAX_RETRY_PAUSE_S)
+
+    def _cut_off(self, e: RPCError, took_s: float) -> bool:
+        """CANCELLED before this call's own timeout ran out: the connection closed under it
+        (the client's gRPC stack says "operation was canceled"). A server closes a connection
+        idle for a while (Temporal's frontend after 2 minutes, `keepAliveMaxConnectionIdle`)
+        with a GOAWAY, and a call made as it arrives is cancelled unsent; the next call dials
+        a new connection. A webhook that waits minutes between notices meets this."""
+        return e.status == RPCStatusCode.CANCELLED and took_s < self._timeout.total_seconds()

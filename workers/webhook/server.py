@@ -91,7 +91,7 @@ class WebhookConfig:
     header_timeout_s: float = 10.0  # request head complete within this of connect/last answer
     body_timeout_s: float = 10.0  # body complete within this of its head, else 408
     owner_cache_ttl_s: float = 10.0  # 0: a visibility query per notice (dispatch.py)
-    busy_retry_s: float = 4.0  # retrying RESOURCE_EXHAUSTED; under EventBridge's 5 s timeout
+    busy_retry_s: float = 4.0  # retrying a passing refusal; under EventBridge's 5 s timeout
     queue_url: str | None = None  # SQS queue mode when set
     queue_dedicated: bool = False  # the operator says no one else reads that queue
     sqs_endpoint_url: str | None = None
