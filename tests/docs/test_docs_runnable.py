@@ -3,9 +3,10 @@
 (`spotrain dev` on free ports), from a directory laid out as a clone: `.venv` is this
 interpreter's environment and `examples/` the repository's. Each block runs under
 `bash -euo pipefail` after the `export` lines `spotrain dev` printed, as the page says to do;
-the only differences from a reader's terminal are the stack's ports (`TEMPORAL_ADDRESS`,
-`SPOTRAIN_WEBHOOK_URL`) and a shorter example job (200 steps instead of 600), to keep the test
-near a minute."""
+the only difference from a reader's terminal is the stack's ports (`TEMPORAL_ADDRESS`,
+`SPOTRAIN_WEBHOOK_URL`). The example job keeps its 600 steps: the reclaim block needs the job
+still running after the status block saw it start, and a shorter job (200 steps) ended first
+in a CI run beside two busy loops ("its nodes: none")."""
 
 from __future__ import annotations
 
@@ -46,14 +47,10 @@ def clone_like(where: Path) -> Path:
     where.mkdir()
     (where / ".venv").symlink_to(Path(sys.prefix))
     shutil.copytree(ROOT / "examples", where / "examples")
-    job = where / "examples" / "job.yaml"
-    text = job.read_text()
-    assert "total_steps: 600\n" in text
-    job.write_text(text.replace("total_steps: 600\n", "total_steps: 200\n"))
     return where
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("page", sorted(runnable_blocks()))
 def test_runnable_blocks_work_as_written(
     page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -80,7 +77,7 @@ def test_runnable_blocks_work_as_written(
                 env=env,
                 capture_output=True,
                 text=True,
-                timeout=240,
+                timeout=300,
             )
             assert ran.returncode == 0, (
                 f"{page}, runnable block {number} failed ({ran.returncode}):\n{block}\n"
