@@ -2,7 +2,8 @@
 naming the problem (ApplicationError type InvalidSpec); none hangs on a workflow task retry.
 
 "Fast" is read from the history, not a stopwatch (CI's load once made two CLI starts and one
-workflow task take 10.6 s): the job fails in its first workflow task, before any activity."""
+workflow task take 10.6 s): the job fails in the first workflow task the worker completes,
+before any activity, and no task fails."""
 
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def test_bad_spec_fails_fast_with_a_message(
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "InvalidSpec" in output and "invalid job spec" in output, output
-    assert event_types(chaos_env, workflow_id) == FAILED_IN_FIRST_TASK
+    assert without_timed_out_tasks(event_types(chaos_env, workflow_id)) == FAILED_IN_FIRST_TASK
 
 
 FAILED_IN_FIRST_TASK = [
@@ -133,6 +134,23 @@ FAILED_IN_FIRST_TASK = [
     "WORKFLOWTASKCOMPLETED",
     "WORKFLOWEXECUTIONFAILED",
 ]
+
+
+def without_timed_out_tasks(events: list[str]) -> list[str]:
+    """The history less each workflow task the worker took too long over (10 s), which Temporal
+    schedules again: the worker's first task loads the workflow sandbox, and on a loaded machine
+    (a CI run beside two busy loops) the first example's took longer. A slow worker is not the
+    spec's doing; a failed task would be, and stays in."""
+    kept: list[str] = []
+    for event in events:
+        if event == "WORKFLOWTASKTIMEDOUT" and kept[-2:] == TASK_RAN:
+            del kept[-2:]
+        else:
+            kept.append(event)
+    return kept
+
+
+TASK_RAN = ["WORKFLOWTASKSCHEDULED", "WORKFLOWTASKSTARTED"]
 
 
 def event_types(env: ChaosEnv, workflow_id: str) -> list[str]:
