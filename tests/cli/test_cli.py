@@ -222,6 +222,8 @@ async def test_steer_a_running_job(cli: Cli, tmp_path: Path) -> None:
     assert "paused" in events and "cancelled" in events
     r = await cli("pause", name)
     assert r.code == 1 and "Traceback" not in r.err, r
+    r = await cli("reclaim", name, "--node", victim)
+    assert (r.code, f"{name} has ended (Cancelled)" in r.err) == (1, True), r
 
 
 async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) -> None:

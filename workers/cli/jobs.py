@@ -221,6 +221,8 @@ def webhook_request(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]
 async def cmd_reclaim(args: argparse.Namespace) -> int:
     """A simulated cloud notice through the same path real ones take: the webhook."""
     s = await query_status(await job(args))
+    if s.phase.is_final:
+        raise CliError(f"{args.name} has ended ({s.phase}): it holds no node to reclaim")
     alive = {n.node_id for n in s.nodes if n.state.is_alive}
     if args.node not in alive:
         raise CliError(
