@@ -471,3 +471,43 @@ def test_a_parked_rank_leaves_its_group_so_a_peer_waiting_on_it_fails_at_once(
     waited = float(outputs[2].split("failed after ")[1].split()[0])
     assert waited < 3, outputs  # rank 0 parked at 0.5 s; its collective timeout is 10 s
     assert JobStore(p.checkpoint).ack_steps(5) == {0: 7}
+
+
+JOINER_AFTER_RENDEZVOUS = r"""
+import json, os, sys, torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from spotrain.elastic import live, sharded  # (what a live loop imports: its head start)
+
+torch.set_num_threads(1)
+before = set(sys.modules)
+live.init_process_group("gloo")  # the rendezvous; then up to the first training collective:
+mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(sharded.REPLICATE, sharded.SHARD))
+fsdp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+fully_shard(fsdp[0], mesh=mesh)
+fully_shard(fsdp, mesh=mesh)
+ddp = DistributedDataParallel(torch.nn.Linear(4, 1), init_sync=False)
+for model in (fsdp, ddp):
+    model(torch.ones(2, 4)).sum().backward()
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_a_joiner_imports_nothing_after_the_rendezvous() -> None:
+    """Survivors wait for a joiner in their first collective, within the collective timeout: a
+    module a joiner's first DDP or fully_shard imports (torch._dynamo: over 10 s on a loaded
+    machine) must already be in, from its head start."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(free_port()), environment.RESIZE: "live"}
+    out = subprocess.run(
+        [sys.executable, "-c", JOINER_AFTER_RENDEZVOUS],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    imported = json.loads(out.stdout.splitlines()[-1])
+    assert len(imported) < 5, imported  # (torch._dynamo brings almost 300)
