@@ -51,6 +51,8 @@ SKIP = shutil.ignore_patterns(
 # Two at a time: most named tests are pure and take a second or two.
 JOBS = int(os.environ.get("SPOTRAIN_BREAK_JOBS", "2"))
 RUN_TIMEOUT_S = 280
+STACKS_WAIT_S = 2  # for a run that timed out to write where it waits
+TIMED_OUT_TAIL = 12_000  # (the stacks of every thread and task)
 # A test here waits for its run, which may wait its turn behind others on a loaded machine.
 pytestmark = pytest.mark.timeout(900)
 # Plugins no named test needs: a quarter of each run's start-up (the control run would fail
@@ -107,14 +109,15 @@ class WarmPytest:
             self.answers.put(json.loads(line))
         self.answers.put({})  # the server has gone
 
-    def _answer(self, key: str) -> int:
-        answer = self.answers.get(timeout=RUN_TIMEOUT_S)
+    def _answer(self, key: str, timeout_s: float = RUN_TIMEOUT_S) -> int:
+        answer = self.answers.get(timeout=timeout_s)
         if key not in answer:
             raise RuntimeError(f"the warm pytest server exited ({self.server.poll()})")
         return answer[key]
 
-    def run(self, tests: list[str]) -> Outcome:
-        """The named tests, as `python -m pytest -x -q` in the copy would run them."""
+    def run(self, tests: list[str], timeout_s: float = RUN_TIMEOUT_S) -> Outcome:
+        """The named tests, as `python -m pytest -x -q` in the copy would run them. A run that
+        times out first writes where it waits (warm_pytest.dump_stacks) into its tail."""
         log = self.root / "pytest.log"
         args = ["-x", "-q", *UNUSED_PLUGINS, *tests]
         assert self.server.stdin is not None
@@ -123,11 +126,13 @@ class WarmPytest:
         self.server.stdin.flush()
         pid = self._answer("pid")
         try:
-            returncode = self._answer("returncode")
+            returncode = self._answer("returncode", timeout_s)
         except Empty:
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(STACKS_WAIT_S)
             os.killpg(pid, signal.SIGKILL)
             self._answer("returncode")
-            tail = log.read_text(errors="replace")[-1500:]
+            tail = log.read_text(errors="replace")[-TIMED_OUT_TAIL:]
             return Outcome(-1, [], time.monotonic() - started, f"timed out\n{tail}")
         finally:
             with contextlib.suppress(ProcessLookupError):  # (anything it left behind)
@@ -238,6 +243,32 @@ def test_each_run_imports_the_copys_code_as_it_is_then(tmp_path: Path) -> None:
             assert outcome.returncode == 0, outcome.tail
     finally:
         warm.close()
+
+
+HANG = """
+import asyncio
+
+
+async def waits_for_ever():
+    await asyncio.Event().wait()
+
+
+async def test_hangs():
+    await waits_for_ever()
+"""
+
+
+def test_a_run_that_times_out_says_where_its_test_waits(tmp_path: Path) -> None:
+    """A named test that hangs in CI leaves no other trace: its run's tail must show the
+    coroutine it waits in, not only the event loop's select."""
+    warm = WarmPytest(copy_repo(tmp_path))
+    try:
+        (warm.root / "tests" / "test_hang.py").write_text(HANG)
+        outcome = warm.run(["tests/test_hang.py"], timeout_s=30)
+    finally:
+        warm.close()
+    assert outcome.returncode == -1, outcome.tail
+    assert "in waits_for_ever" in outcome.tail and "in test_hangs" in outcome.tail, outcome.tail
 
 
 def test_the_named_tests_pass_on_the_unbroken_copy(
