@@ -128,8 +128,9 @@ class WarmPytest:
         try:
             returncode = self._answer("returncode", timeout_s)
         except Empty:
-            os.kill(pid, signal.SIGUSR1)
-            time.sleep(STACKS_WAIT_S)
+            with contextlib.suppress(ProcessLookupError):  # (it ended just now)
+                os.kill(pid, signal.SIGUSR1)
+                time.sleep(STACKS_WAIT_S)
             os.killpg(pid, signal.SIGKILL)
             self._answer("returncode")
             tail = log.read_text(errors="replace")[-TIMED_OUT_TAIL:]

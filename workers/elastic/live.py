@@ -71,9 +71,9 @@ from typing import Any
 import torch
 
 # Imported with this module, so as part of a joiner's head start: a process's first DDP or
-# fully_shard imports it (1.3 s on an idle core, over 10 s on a loaded machine). After the
-# rendezvous, a joiner's import would run while the survivors wait in their first collective,
-# and outlast collective_timeout().
+# fully_shard imports it (1.3 s on an idle core, 3 s beside two busy loops, past a test's 10 s
+# collective timeout in one CI run). After the rendezvous, a joiner's import would run while the
+# survivors wait in their first collective, within collective_timeout().
 import torch._dynamo
 import torch.distributed as dist
 
