@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.local import Rank
 from spotrain.workers.embedded.binaries import temporal_cli, temporal_test_server
 from spotrain.workflows.job import attributes
-from tests import assert_diff
+from tests import assert_diff, warm_python
 from tests.moto_ec2 import honour_client_tokens
 
 # Hypothesis fails an example that takes over 200 ms, and a test whose examples are slow to
@@ -51,6 +52,42 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if folder := config.stash.get(children_tmp, None):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def warm_python_server() -> Iterator[None]:
+    """The fork server behind tests/warm_python.py, for the test modules that start ranks with
+    it (`pytestmark = pytest.mark.usefixtures("warm_python_server")`): one per test process,
+    named in the environment that every process a test starts inherits. A pytest that a test
+    runs (the breaks harness) uses its parent's."""
+    if os.environ.get(warm_python.ENV):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="warm-python-")
+    path = os.path.join(folder, "socket")
+    server = subprocess.Popen(
+        [*warm_python.WARM_PYTHON, "--serve", path],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert server.stdout is not None
+        ready = server.stdout.readline()  # after its imports; '' if it failed
+        assert ready == "ready\n", f"tests/warm_python.py --serve did not start: {ready!r}"
+        os.environ[warm_python.ENV] = path
+        yield
+    finally:
+        os.environ.pop(warm_python.ENV, None)
+        server.terminate()  # and with it every child still running
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
 

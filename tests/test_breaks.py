@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
 
@@ -59,6 +59,7 @@ pytestmark = pytest.mark.timeout(900)
 # if one did).
 UNUSED_PLUGINS = [f"-pno:{name}" for name in ("cacheprovider", "xdist", "schemathesis", "anyio")]
 FAILED = re.compile(r"^FAILED (\S+)", re.M)
+SKIPPED = re.compile(r"^SKIPPED \[\d+\] (.+)$", re.M)  # (`-rs`: where and why)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Outcome:
     failed: list[str]
     seconds: float
     tail: str
+    skipped: list[str] = field(default_factory=list)
 
 
 def copy_repo(into: Path) -> Path:
@@ -119,7 +121,7 @@ class WarmPytest:
         """The named tests, as `python -m pytest -x -q` in the copy would run them. A run that
         times out first writes where it waits (warm_pytest.dump_stacks) into its tail."""
         log = self.root / "pytest.log"
-        args = ["-x", "-q", *UNUSED_PLUGINS, *tests]
+        args = ["-x", "-q", "-rs", *UNUSED_PLUGINS, *tests]
         assert self.server.stdin is not None
         started = time.monotonic()
         self.server.stdin.write(json.dumps({"args": args, "log": str(log)}) + "\n")
@@ -139,7 +141,8 @@ class WarmPytest:
             with contextlib.suppress(ProcessLookupError):  # (anything it left behind)
                 os.killpg(pid, signal.SIGKILL)
         out = log.read_text(errors="replace")
-        return Outcome(returncode, FAILED.findall(out), time.monotonic() - started, out[-1500:])
+        seconds = time.monotonic() - started
+        return Outcome(returncode, FAILED.findall(out), seconds, out[-1500:], SKIPPED.findall(out))
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -246,6 +249,27 @@ def test_each_run_imports_the_copys_code_as_it_is_then(tmp_path: Path) -> None:
         warm.close()
 
 
+SKIPS = """
+import pytest
+
+
+def test_skips():
+    pytest.skip("no control plane here")
+"""
+
+
+def test_a_named_test_that_skips_is_told_from_one_that_passes(tmp_path: Path) -> None:
+    """Both exit 0; only the skip can never catch a break (the control run fails on it)."""
+    warm = WarmPytest(copy_repo(tmp_path))
+    try:
+        (warm.root / "tests" / "test_skips.py").write_text(SKIPS)
+        outcome = warm.run(["tests/test_skips.py"])
+    finally:
+        warm.close()
+    assert outcome.returncode == 0, outcome.tail
+    assert len(outcome.skipped) == 1 and "no control plane here" in outcome.skipped[0], outcome
+
+
 HANG = """
 import asyncio
 
@@ -275,10 +299,13 @@ def test_a_run_that_times_out_says_where_its_test_waits(tmp_path: Path) -> None:
 def test_the_named_tests_pass_on_the_unbroken_copy(
     outcomes: dict[str, Future[Outcome]],
 ) -> None:
+    """Pass, not skip: a break whose named test skips (no control plane, say) can never be
+    caught, so a skip here fails the harness rather than hiding among the passes."""
     failed = {
-        name: outcome.tail
+        name: outcome.tail if outcome.returncode else f"skipped: {outcome.skipped}"
         for name, future in outcomes.items()
-        if name.startswith("control ") and (outcome := future.result()).returncode != 0
+        if name.startswith("control ")
+        and ((outcome := future.result()).returncode != 0 or outcome.skipped)
     }
     assert not failed, failed
 

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -28,9 +27,12 @@ from spotrain.elastic.job_store import JobStore, StoreUnusable, checked_store
 from spotrain.workers.embedded.stack import free_port
 from spotrain.workflows.contract import CONFIG_ERROR
 from tests.jobs import job_spec, simulated
+from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("torch")
 pytest.importorskip("s3torchconnector")
+
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
 
 RANK = Path(__file__).resolve().parent / "ckpt_rank.py"
 
@@ -65,7 +67,7 @@ def run_ranks(
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(RANK), json.dumps(ops)],
+                [*WARM_PYTHON, str(RANK), json.dumps(ops)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

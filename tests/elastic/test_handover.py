@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from spotrain.elastic import handover
 from spotrain.workers.embedded.stack import free_port
+from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("torch")
+
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +80,7 @@ def run_ranks(steps: list[int]) -> list[dict]:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK, json.dumps(steps)],
+            [*WARM_PYTHON, "-c", RANK, json.dumps(steps)],
             env={
                 **os.environ,
                 "RANK": str(rank),

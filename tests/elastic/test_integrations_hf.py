@@ -5,14 +5,16 @@ then back to 2 ranks to the end: every process a real rank of the local runtime 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.elastic.integration_support import Scenario
+from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+
 MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hf.py"
@@ -35,7 +37,7 @@ def test_trainer_resumes_through_a_reclaim_and_a_loss_without_repeating_samples(
     sc = Scenario(
         tmp_path,
         "hf-integration",
-        [sys.executable, str(EXAMPLE), "--record", str(tmp_path / "record"), *PACE],
+        [*WARM_PYTHON, str(EXAMPLE), "--record", str(tmp_path / "record"), *PACE],
         total_steps=TOTAL,
         global_batch_size=GLOBAL,
         scale_config=SCALE,

@@ -4,14 +4,16 @@ end, on the local runtime."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.elastic.integration_support import Scenario
+from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("lightning")
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+
 MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"
@@ -23,7 +25,7 @@ def test_lightning_resumes_through_a_reclaim_and_a_loss_without_repeating_sample
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mlruns = f"file://{tmp_path}/mlruns"
-    command = [sys.executable, str(EXAMPLE), "--record", str(tmp_path / "record")]
+    command = [*WARM_PYTHON, str(EXAMPLE), "--record", str(tmp_path / "record")]
     sc = Scenario(
         tmp_path,
         "lightning-integration",

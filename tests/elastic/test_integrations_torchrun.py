@@ -6,7 +6,6 @@ spotrain.elastic.torchrun, which turns the elastic event into the script's SIGTE
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -16,8 +15,11 @@ import yaml
 from spotrain.activities.command_launch import launch_command
 from spotrain.workflows.spec import parse_spec
 from tests.elastic.integration_support import Scenario
+from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("torch")
+
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_torchrun.py"
 STEPS, BATCH, EVERY = 80, 5, 10
@@ -67,7 +69,7 @@ def test_launch_command_wraps_command_jobs_and_multi_process_pods(tmp_path: Path
 
 def job(tmp_path: Path, name: str, steps: int = STEPS) -> tuple[Scenario, Path, Path]:
     ckpt, record = tmp_path / "ckpt", tmp_path / "record"
-    command = [sys.executable, str(EXAMPLE), "--ckpt-dir", str(ckpt), "--record", str(record)]
+    command = [*WARM_PYTHON, str(EXAMPLE), "--ckpt-dir", str(ckpt), "--record", str(record)]
     command += ["--steps", str(steps), "--batch", str(BATCH), "--ckpt-every", str(EVERY)]
     command += ["--step-time", "0.05"]
     tmp_path.mkdir(exist_ok=True)

@@ -45,8 +45,13 @@ from tests.elastic.test_train_ddp import (
 )
 from tests.elastic.test_train_ddp import plan as restart_plan
 from tests.jobs import process_spec, record_history
+from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("torch")
+
+
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+COLD = [sys.executable]  # for ranks a test freezes with SIGSTOP
 
 
 def plan(tmp_path: Path, generation: int, nodes: list[int], **kw: object) -> GenerationPlan:
@@ -260,7 +265,7 @@ def test_a_survivor_that_hangs_is_detected_and_the_others_go_on(tmp_path: Path) 
     failure; the hung one is killed and the next generation goes on from the other's memory.
     With no survivor left at all, the job falls back to its last checkpoint."""
     env, rt = ActivityEnvironment(), LocalRuntime(tmp_path / "rt", term_grace_s=1)
-    gen0 = plan(tmp_path, 0, [0, 1, 2])
+    gen0 = plan(tmp_path, 0, [0, 1, 2], python=COLD)
     env.run(rt.start_generation, gen0)
     run_until(env, rt, gen0, 12)
     notice = stop_generation(
@@ -271,7 +276,7 @@ def test_a_survivor_that_hangs_is_detected_and_the_others_go_on(tmp_path: Path) 
     hung = pids(rt, 0)[1]
     os.killpg(hung, signal.SIGSTOP)  # the rank and its launcher: parked, then never answer
     try:
-        gen1 = plan(tmp_path, 1, [0, 1])
+        gen1 = plan(tmp_path, 1, [0, 1], python=COLD)
         env.run(rt.start_generation, gen1)
         # Rank 0 waits for rank 1 in the new group for the collective timeout (5 s).
         deadline = time.monotonic() + 60
@@ -283,7 +288,7 @@ def test_a_survivor_that_hangs_is_detected_and_the_others_go_on(tmp_path: Path) 
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(hung, signal.SIGCONT)
-    gen2 = plan(tmp_path, 2, [0, 1])
+    gen2 = plan(tmp_path, 2, [0, 1], python=COLD)
     env.run(rt.start_generation, gen2)
     run_until(env, rt, gen2, held + 12)
     log = rt.log_path("ddp", 0, 2).read_text()
@@ -294,7 +299,7 @@ def test_a_survivor_that_hangs_is_detected_and_the_others_go_on(tmp_path: Path) 
     again = stop_generation(env, rt, gen2, graceful=True, grace_s=30, live=True)
     assert again.held_step is not None
     rt._kill(rt._ranks("ddp", 2))
-    gen3 = plan(tmp_path, 3, [0, 1])
+    gen3 = plan(tmp_path, 3, [0, 1], python=COLD)
     latest = JobStore(gen3.checkpoint).latest_checkpoint()["step"]
     env.run(rt.start_generation, gen3)
     run_to_end(env, rt, gen3)
@@ -306,7 +311,7 @@ def test_a_survivor_that_hangs_is_detected_and_the_others_go_on(tmp_path: Path) 
 def live_job_spec(name: str, tmp_path: Path, **overrides: Any) -> dict[str, Any]:
     """The example through the whole workflow, `resize: live`: up to 3 nodes, 30 ms steps,
     its records under tmp_path/rec."""
-    command = [sys.executable, str(EXAMPLE), "--record", str(tmp_path / "rec")]
+    command = [*WARM_PYTHON, str(EXAMPLE), "--record", str(tmp_path / "rec")]
     elastic = {
         "min_nodes": 1,
         "max_nodes": 3,
@@ -460,7 +465,7 @@ def test_a_parked_rank_leaves_its_group_so_a_peer_waiting_on_it_fails_at_once(
         env |= {environment.PARK_TIMEOUT: "8", elastic.SIGTERM_ENV: "0"}
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", LEAVES_GROUP],
+                [*WARM_PYTHON, "-c", LEAVES_GROUP],
                 env={**os.environ, **env},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,9 @@ from spotrain.workflows.job import job_planner
 from spotrain.workflows.job.state import JobState
 from spotrain.workflows.spec import parse_spec
 from tests.jobs import job_spec
+from tests.warm_python import WARM_PYTHON
+
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
 
 torch = pytest.importorskip("torch")
 
@@ -107,7 +109,7 @@ def run(*runs: tuple[dict, list[int], Path]) -> list[str]:
         scenario = {**scenario, "out": str(out), "port": free_port(), "port2": free_port()}
         procs += [
             subprocess.Popen(
-                [sys.executable, str(RANK), json.dumps(scenario), str(i)],
+                [*WARM_PYTHON, str(RANK), json.dumps(scenario), str(i)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -211,7 +213,7 @@ def test_a_new_generations_mesh_is_not_an_old_one_from_dtensors_caches(forget: b
     meshes sharded.py builds forget them first."""
     how = "forget" if forget else "keep"
     out = subprocess.run(
-        [sys.executable, "-c", MESH_AGAIN, how, str(free_port()), str(free_port())],
+        [*WARM_PYTHON, "-c", MESH_AGAIN, how, str(free_port()), str(free_port())],
         capture_output=True,
         text=True,
         timeout=120,

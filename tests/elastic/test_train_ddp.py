@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,11 @@ from spotrain.workflows.contract import (
     WatchResult,
 )
 from spotrain.workflows.spec import parse_spec
+from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("torch")
+
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 TOTAL_STEPS = 300
@@ -42,21 +44,19 @@ def plan(
     total_steps: int = TOTAL_STEPS,
     checkpoint: str | None = None,
     ckpt_every: int = 50,
+    example: Path = EXAMPLE,
+    step_time: str = "0.02",
+    python: list[str] = WARM_PYTHON,
 ) -> GenerationPlan:
+    """`python`: sys.executable alone for ranks a test freezes with SIGSTOP (tests/warm_python.py
+    says why)."""
     (tmp_path / job).mkdir(exist_ok=True)
     return GenerationPlan(
         job=job,
         generation=generation,
         members=[Member(node_id=f"node-{i}", address="127.0.0.1") for i in range(nodes)],
         # 20 ms a step (a bigger model's pace): the resize lands mid-run on an idle machine too
-        command=[
-            sys.executable,
-            str(EXAMPLE),
-            "--record",
-            str(tmp_path / job),
-            "--step-time",
-            "0.02",
-        ],
+        command=[*python, str(example), "--record", str(tmp_path / job), "--step-time", step_time],
         checkpoint=checkpoint or f"file://{tmp_path}/{job}/store",
         scale_config={"lr": 0.02, "ckpt_every": ckpt_every},
         global_batch_size=GLOBAL_BATCH,

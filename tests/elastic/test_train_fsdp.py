@@ -27,6 +27,8 @@ from tests.elastic.test_train_ddp import records, run_to_end, stop_generation, w
 
 pytest.importorskip("torch")
 
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
 TOTAL_STEPS = 60
 GLOBAL_BATCH = 26  # uneven over 4 and 6 ranks
@@ -45,8 +47,16 @@ def plan(
     """The DDP example's plan (tests/elastic/test_train_ddp.py) for this one: nodes by index
     (node-<i>, local) or by instance id (Kubernetes), each of PROCS processes. `peer_copy`:
     pure FSDP (`--full-shard`) with `elastic.peer_copy`."""
-    p = ddp_plan(tmp_path, generation, len(nodes), job, total_steps, ckpt_every=1000)
-    p.command[1], p.command[-1] = str(EXAMPLE), "0.05"
+    p = ddp_plan(
+        tmp_path,
+        generation,
+        len(nodes),
+        job,
+        total_steps,
+        ckpt_every=1000,
+        example=EXAMPLE,
+        step_time="0.05",
+    )
     if peer_copy:
         p.command.append("--full-shard")
         p.peer_copy = True

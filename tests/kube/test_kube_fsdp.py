@@ -52,6 +52,8 @@ from tests.kube.test_kube_live import (  # noqa: F401 (the fixtures)
 pytest.importorskip("torch")
 
 # Enough that the job still trains while a loaded machine starts the joiner's pod.
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+
 TOTAL_STEPS = 200
 
 

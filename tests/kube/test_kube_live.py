@@ -11,7 +11,6 @@ kube-scheduler are real, and the runtime acts as its ServiceAccount.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -44,8 +43,11 @@ from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
     control_plane_fixture,
 )
 from tests.kube.kube_kubelet import LocalKubelet
+from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("torch")
+
+pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
 
 JOB = "live"
 NODES = {"i-0aaa": "ip-10-0-0-1", "i-0bbb": "ip-10-0-0-2", "i-0ccc": "ip-10-0-0-3"}
@@ -84,7 +86,7 @@ def plan(tmp_path: Path, generation: int, nodes: list[str], **kw: Any) -> Genera
         "job": JOB,
         "generation": generation,
         "members": [Member(node_id=n, address="unused") for n in nodes],
-        "command": [sys.executable, str(EXAMPLE), "--record", str(record), "--step-time", "0.02"],
+        "command": [*WARM_PYTHON, str(EXAMPLE), "--record", str(record), "--step-time", "0.02"],
         "image": "ghcr.io/example/train:1",
         "checkpoint": f"file://{tmp_path}/ckpt",
         "scale_config": {"lr": 0.02, "ckpt_every": 50},
