@@ -8,6 +8,7 @@ import copy
 import os
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -190,12 +191,29 @@ async def until(
 async def skip(env: WorkflowEnvironment, duration: timedelta | float) -> None:
     """`env.sleep` on the time-skipping server, with room for a loaded machine: the SDK's call
     has the client's default 30 s deadline, and beside two busy loops skipping 86 minutes of
-    a busy job took longer ('Timeout expired' in CI)."""
+    a busy job took longer ('Timeout expired' in CI). The call is silent while it lasts, so it
+    goes through a client that sends no HTTP/2 keep-alive pings: the test server (grpc-java)
+    takes a ping within 5 minutes of the last, during a call, as a strike, and closes the
+    connection at the third; the SDK pings every 30 s, so any call silent for 90 s failed
+    ('transport error' here, 'h2 protocol error' in CI: test_a_week_with_120_reclaims...)."""
     req = SleepRequest()
     req.duration.FromTimedelta(
         duration if isinstance(duration, timedelta) else timedelta(seconds=duration)
     )
-    await env.client.test_service.unlock_time_skipping_with_sleep(req, timeout=SKIP_TIMEOUT)
+    await (await unpinged_client(env)).test_service.unlock_time_skipping_with_sleep(
+        req, timeout=SKIP_TIMEOUT
+    )
+
+
+_UNPINGED: weakref.WeakKeyDictionary[WorkflowEnvironment, Client] = weakref.WeakKeyDictionary()
+
+
+async def unpinged_client(env: WorkflowEnvironment) -> Client:
+    """A client of `env`'s server without keep-alive pings (`skip` says why), one per env."""
+    if env not in _UNPINGED:
+        target = env.client.service_client.config.target_host
+        _UNPINGED[env] = await Client.connect(target, keep_alive_config=None)
+    return _UNPINGED[env]
 
 
 def running_at(size: int, generation: int | None = None) -> Callable[[JobStatus], bool]:

@@ -1,18 +1,24 @@
 """The suite's own settings (tests/conftest.py): hypothesis keeps no wall-clock deadline, a
-failing `==` on a long list explains itself in a few lines, and no shared fixture outlives
-the tests that use it."""
+failing `==` on a long list explains itself in a few lines, no shared fixture outlives
+the tests that use it, and a long wait on the time-skipping server is not cut off."""
 
 from __future__ import annotations
 
 import ast
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from temporalio.api.testservice.v1 import LockTimeSkippingRequest, SleepRequest
+from temporalio.client import Client
+from temporalio.service import KeepAliveConfig, RPCError
+from temporalio.testing import WorkflowEnvironment
 
 from tests.assert_diff import MAX_RUNS
+from tests.jobs import unpinged_client
 
 
 @settings(max_examples=2)
@@ -74,3 +80,24 @@ def session_fixtures_outside_conftest() -> list[str]:
 
 def test_session_fixtures_live_in_conftest_files() -> None:
     assert session_fixtures_outside_conftest() == []
+
+
+async def test_a_long_silent_call_to_the_time_skipping_server_survives(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """tests/jobs.py's `skip` waits in one silent call. The test server closes a connection
+    whose client pings more often than every 5 minutes during a call (the third ping), so a
+    client pinging every 0.5 s fails within seconds, as the SDK's 30 s pings failed a skip
+    that lasted 90 s; the client `skip` uses sends none."""
+    await ts_env.client.test_service.lock_time_skipping(LockTimeSkippingRequest())
+    wait = SleepRequest()
+    wait.duration.FromTimedelta(timedelta(seconds=4))  # in real time: skipping is locked
+    target = ts_env.client.service_client.config.target_host
+    pinging = await Client.connect(target, keep_alive_config=KeepAliveConfig(500, 10_000))
+    with pytest.raises(RPCError):
+        await pinging.test_service.sleep(wait, timeout=timedelta(seconds=30))
+    quiet = await unpinged_client(ts_env)
+    assert quiet.service_client.config.keep_alive_config is None  # (90 s to show it fails)
+    started = time.monotonic()
+    await quiet.test_service.sleep(wait, timeout=timedelta(seconds=30))
+    assert time.monotonic() - started >= 3.9

@@ -51,6 +51,12 @@ from tests.kube.k8s_certs import b64, dn, issue_cert, new_key, pem_key
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "infra/k8s/controlplane/build.sh"
 NAMESPACE = "spotrain"
+# One grant of each of infra/k8s/rbac.yaml's bindings, waited for before any test runs.
+RBAC_IN_FORCE = (
+    ("spotrain-worker", "create", "pods", NAMESPACE),
+    ("spotrain-worker", "list", "nodes", ""),
+    ("spotrain-webhook", "get", "nodes", ""),
+)
 FAKE = "kwok.x-k8s.io/node"  # annotation: kwok manages this node and its pods
 TOOLS = ("etcd", "kube-apiserver", "kube-scheduler", "kwok")
 
@@ -330,6 +336,8 @@ class ControlPlane:
         for manifest in ("namespace.yaml", "rbac.yaml"):
             utils.create_from_yaml(self.admin, str(ROOT / "infra/k8s" / manifest))
         self.ensure_namespace(NAMESPACE)
+        for account, verb, resource, namespace in RBAC_IN_FORCE:
+            self.wait_until_allowed(account, verb, resource, namespace)
         self.startup_s = time.monotonic() - t0
 
     def _ready(self) -> bool:
@@ -421,6 +429,29 @@ class ControlPlane:
             except client.ApiException as err:
                 if err.status != 409:
                     raise
+
+    def wait_until_allowed(
+        self, service_account: str, verb: str, resource: str, namespace: str, timeout: float = 60
+    ) -> None:
+        """Until the apiserver's authorizer lets `service_account` (of spotrain's namespace) do
+        `verb` on `resource`: RBAC authorizes from an informer's cache, so a Role or RoleBinding
+        just created is not in force yet (a 403 right after creating one, seen beside two busy
+        loops)."""
+        review = client.V1SubjectAccessReview(
+            spec=client.V1SubjectAccessReviewSpec(
+                user=f"system:serviceaccount:{NAMESPACE}:{service_account}",
+                groups=["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}"],
+                resource_attributes=client.V1ResourceAttributes(
+                    namespace=namespace, verb=verb, resource=resource
+                ),
+            )
+        )
+        authz = client.AuthorizationV1Api(self.admin)
+        self._wait(
+            f"{service_account} allowed to {verb} {resource} in {namespace}",
+            lambda: authz.create_subject_access_review(review).status.allowed,
+            timeout,
+        )
 
     def add_node(
         self,

@@ -283,6 +283,7 @@ def test_namespace_per_job(
                 utils.create_from_dict(kube.admin, doc, namespace="train-mnist")
             except utils.FailToCreateError as err:
                 assert all(e.status == 409 for e in err.api_exceptions)
+    kube.wait_until_allowed("spotrain-worker", "create", "services", "train-mnist")
     runtime = KubeRuntime("train-{job}", worker_client, gang_timeout_s=30, watch_s=1)
     run(runtime.start_generation, plan_for(ckpt, nodes=1))
     pod = core.read_namespaced_pod("mnist-g1-0", "train-mnist")

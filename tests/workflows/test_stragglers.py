@@ -37,6 +37,7 @@ from spotrain.workflows.job.state import JobResult, JobStatus
 from spotrain.workflows.policies.stragglers import RankSteps, assess, hung_ranks, slow_ranks
 from spotrain.workflows.spec import SpecError, StragglerPolicy, parse_spec
 from tests.jobs import FAST_ELASTIC, job_spec, polled, record_history
+from tests.warm_python import WARM_PYTHON
 
 T0 = datetime(2026, 11, 24, tzinfo=UTC)
 POLICY = StragglerPolicy(slowdown=2.0, patience_s=300)
@@ -252,7 +253,7 @@ def straggler_job(tmp_path: Path, mode: str) -> dict[str, Any]:
     script.write_text(RANK)
     return job_spec(
         name=f"straggler-{mode}-{uuid.uuid4().hex[:6]}",
-        command=["python", str(script)],
+        command=[*WARM_PYTHON, str(script)],  # (lockstep: torch at once, however busy)
         total_steps=STEPS,
         checkpoint=f"file://{tmp_path / 'ckpt'}",
         env={"SLOW_NODE_FILE": str(tmp_path / "slow-node"), "SLOW_MODE": mode, "SLOW_AFTER": "30"},
@@ -287,6 +288,7 @@ def killed_at_exit(runtime: LocalRuntime, job: str) -> Iterator[None]:
 RECORDED = {"slow": "straggler_replace", "lockstep-hang": "straggler_lockstep_hang"}
 
 
+@pytest.mark.usefixtures("warm_python_server")
 @pytest.mark.parametrize("mode", ["slow", "hang", "lockstep-hang"])
 async def test_a_slow_or_hung_node_is_flagged_and_replaced_and_the_job_completes(
     dev_env: WorkflowEnvironment, tmp_path: Path, mode: str
