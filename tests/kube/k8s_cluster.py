@@ -20,6 +20,7 @@ Run `python -m tests.kube.k8s_cluster` to start one and keep it until Ctrl-C (RE
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import json
 import os
@@ -44,13 +45,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from kubernetes import client, config, utils
 
-from spotrain.workers.embedded.stack import _die_with_parent as die_with_parent
 from spotrain.workers.embedded.stack import free_port
 from tests.kube.k8s_certs import b64, dn, issue_cert, new_key, pem_key
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "infra/k8s/controlplane/build.sh"
 NAMESPACE = "spotrain"
+PR_SET_PDEATHSIG = 1
+CRD_GROUP, CRD_VERSION = "spotrain.io", "v1alpha1"
+CUSTOM_RESOURCES = ("trainingjobs", "scaleins", "scaleouts")
 # One grant of each of infra/k8s/rbac.yaml's bindings, waited for before any test runs.
 RBAC_IN_FORCE = (
     ("spotrain-worker", "create", "pods", NAMESPACE),
@@ -219,7 +222,7 @@ class ControlPlane:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, killed whole in stop()
-                preexec_fn=die_with_parent,  # and SIGTERM if this process dies without stop()
+                preexec_fn=_killed_with_parent,  # if this process dies without stop()
             )
         self._procs.append((name, proc))
 
@@ -541,7 +544,7 @@ class ControlPlane:
 
     def reset(self) -> None:
         """Remove what a test left: spotrain's objects in every namespace (pods at once, as a
-        force delete does) and every node."""
+        force delete does), every node, and every TrainingJob, ScaleIn and ScaleOut."""
         core = client.CoreV1Api(self.admin)
         selector = "spotrain.io/managed=true"
         for pod in core.list_pod_for_all_namespaces(label_selector=selector).items:
@@ -555,8 +558,25 @@ class ControlPlane:
             _gone(core.delete_namespaced_service, svc.metadata.name, svc.metadata.namespace)
         for cm in core.list_config_map_for_all_namespaces(label_selector=selector).items:
             _gone(core.delete_namespaced_config_map, cm.metadata.name, cm.metadata.namespace)
+        for secret in core.list_secret_for_all_namespaces(label_selector=selector).items:
+            _gone(core.delete_namespaced_secret, secret.metadata.name, secret.metadata.namespace)
         for node in core.list_node().items:
             _gone(core.delete_node, node.metadata.name)
+        custom = client.CustomObjectsApi(self.admin)
+        for plural in CUSTOM_RESOURCES:
+            try:
+                found = custom.list_cluster_custom_object(CRD_GROUP, CRD_VERSION, plural)
+            except client.ApiException as err:
+                if err.status == 404:  # no CRDs installed: nothing of the kind
+                    continue
+                raise
+            for obj in found["items"]:  # (an operator's finalizer: its operator has gone)
+                meta = obj["metadata"]
+                args = (CRD_GROUP, CRD_VERSION, meta["namespace"], plural, meta["name"])
+                _gone(
+                    custom.patch_namespaced_custom_object, *args, {"metadata": {"finalizers": None}}
+                )
+                _gone(custom.delete_namespaced_custom_object, *args)
 
     def compact_etcd(self) -> None:
         """Compact etcd up to its current revision (the apiserver does this every 5 minutes):
@@ -566,6 +586,13 @@ class ControlPlane:
             revision = yaml.safe_load(resp.read())["header"]["revision"]
         compact = f'{{"revision": "{revision}", "physical": true}}'.encode()
         urllib.request.urlopen(f"{self.etcd_url}/v3/kv/compaction", compact).close()
+
+
+def _killed_with_parent() -> None:
+    """Before exec: the kernel SIGKILLs the process when its owner dies. Not SIGTERM: with
+    etcd gone too, kube-apiserver's graceful shutdown outlived its owner by over 30 s (seen
+    in tests/kube/test_kube_apiserver.py)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _ready(node: client.V1Node) -> bool:
@@ -589,22 +616,6 @@ def control_plane_or_skip() -> Path:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must test against the real control plane: {err}")
         pytest.skip(f"no Kubernetes control plane: {err}")
-
-
-@pytest.fixture(scope="module", name="control_plane")
-def control_plane_fixture() -> Iterator[ControlPlane]:
-    """One control plane per test module that imports this fixture, shared by its tests
-    (`cluster` resets it) and stopped when the module ends. (Session-scoped, each importing
-    module's plane lived to the end of the run: ten at once in one CI process.)"""
-    with ControlPlane.running(control_plane_or_skip()) as plane:
-        yield plane
-
-
-@pytest.fixture(name="cluster")
-def cluster_fixture(control_plane: ControlPlane) -> Iterator[ControlPlane]:
-    """The shared control plane, emptied of spotrain's objects and nodes after the test."""
-    yield control_plane
-    control_plane.reset()
 
 
 def main() -> None:

@@ -1,8 +1,14 @@
-"""The real control plane itself (tests/kube/k8s_cluster.py), the deployment's manifests as the
-apiserver sees them, and the webhook's node lookup as its own ServiceAccount."""
+"""The real control plane itself (tests/kube/k8s_cluster.py), that none of its processes
+outlives its owner, the deployment's manifests as the apiserver sees them, and the webhook's
+node lookup as its own ServiceAccount."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,12 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from spotrain.activities.kube_api import instance_id
 from spotrain.workers.webhook.server import NodeNames
-from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
-    NAMESPACE,
-    ControlPlane,
-    cluster_fixture,
-    control_plane_fixture,
-)
+from tests.kube.k8s_cluster import NAMESPACE, ROOT, TOOLS, ControlPlane, control_plane_or_skip
 
 K8S = Path(__file__).resolve().parents[2] / "infra/k8s"
 WEBHOOK = "system:serviceaccount:spotrain:spotrain-webhook"
@@ -96,3 +97,53 @@ def test_a_service_account_token_is_refused_once_its_account_is_deleted(
     with pytest.raises(ApiException) as info:
         client.CoreV1Api(cluster.api_client(kubeconfig)).read_node("anything")
     assert info.value.status == 401
+
+
+def _children(pid: int) -> dict[int, str]:
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            name, rest = stat.read_text().rsplit(")", 1)
+            if int(rest.split()[1]) == pid:
+                found[int(stat.parent.name)] = name.split("(", 1)[1]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("end", ["stopped", "killed"])
+def test_no_control_plane_process_outlives_its_owner(end: str) -> None:
+    """Whether the owner stops it (Ctrl-C) or dies by SIGKILL (a test process killed at its
+    timeout): etcd, kube-apiserver, kube-scheduler and kwok all go with it."""
+    env = {**os.environ, "SPOTRAIN_K8S_BIN": str(control_plane_or_skip())}
+    owner = subprocess.Popen(
+        [sys.executable, "-m", "tests.kube.k8s_cluster"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert owner.stdout is not None
+        first = owner.stdout.readline()
+        assert "control plane up" in first, first
+        children = _children(owner.pid)
+        assert set(children.values()) == set(TOOLS), children
+        owner.send_signal(signal.SIGINT) if end == "stopped" else owner.kill()
+        owner.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while left := {pid: name for pid, name in children.items() if _alive(pid)}:
+            assert time.monotonic() < deadline, f"left running after the owner {end}: {left}"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
+        for pid in _children(owner.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

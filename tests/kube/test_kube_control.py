@@ -27,11 +27,9 @@ from spotrain.workflows.contract import (
     StopRequest,
     WatchRequest,
 )
-from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
+from tests.kube.k8s_cluster import (
     NAMESPACE,
     ControlPlane,
-    cluster_fixture,
-    control_plane_fixture,
 )
 from tests.kube.kube_kubelet import LocalKubelet
 

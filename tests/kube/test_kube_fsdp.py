@@ -32,8 +32,6 @@ from tests.elastic.test_train_fsdp import GLOBAL_BATCH, PROCS, assert_same_weigh
 from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
     NAMESPACE,
     ControlPlane,
-    cluster_fixture,
-    control_plane_fixture,
 )
 from tests.kube.kube_kubelet import LocalKubelet
 from tests.kube.test_kube_live import (  # noqa: F401 (the fixtures)

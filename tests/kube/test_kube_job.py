@@ -36,11 +36,9 @@ from tests.elastic.test_live_resize import (
 )
 from tests.elastic.test_local_runtime import WORKER
 from tests.jobs import Sim, fast_spec, record_history, running_at, sizes, until
-from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
+from tests.kube.k8s_cluster import (
     NAMESPACE,
     ControlPlane,
-    cluster_fixture,
-    control_plane_fixture,
 )
 from tests.kube.kube_kubelet import LocalKubelet, node_name, nodes_follow_instances
 from tests.kube.kube_support import job_on_kubernetes

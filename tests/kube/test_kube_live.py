@@ -36,11 +36,9 @@ from spotrain.workflows.contract import (
 )
 from tests.elastic.test_live_resize import consumed, notice_checkpoints, through_held
 from tests.elastic.test_train_ddp import EXAMPLE, GLOBAL_BATCH, records
-from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
+from tests.kube.k8s_cluster import (
     NAMESPACE,
     ControlPlane,
-    cluster_fixture,
-    control_plane_fixture,
 )
 from tests.kube.kube_kubelet import LocalKubelet
 from tests.warm_python import WARM_PYTHON

@@ -43,7 +43,7 @@ from spotrain.workflows.contract import (
     WatchRequest,
     WatchResult,
 )
-from tests.kube.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
+from tests.kube.k8s_cluster import ControlPlane, Request
 from tests.kube.kube_double import KubeDouble
 from tests.kube.kube_kubelet import finish_pod, hold_pod, start_pod
 from tests.kube.kube_support import (  # noqa: F401 (fixtures)

@@ -23,7 +23,7 @@ from kubernetes import client
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.workflows.contract import CleanupRequest
-from tests.kube.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
+from tests.kube.k8s_cluster import ControlPlane, Request
 from tests.kube.kube_support import (  # noqa: F401 (fixtures)
     JOB,
     NS,

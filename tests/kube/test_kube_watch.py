@@ -30,7 +30,7 @@ from spotrain.workflows.contract import (
     CleanupRequest,
 )
 from spotrain.workflows.job import attributes
-from tests.kube.k8s_cluster import ControlPlane, Request, cluster_fixture, control_plane_fixture  # noqa: F401
+from tests.kube.k8s_cluster import ControlPlane, Request
 from tests.kube.kube_kubelet import finish_pod
 from tests.kube.kube_support import (  # noqa: F401 (fixtures)
     JOB,

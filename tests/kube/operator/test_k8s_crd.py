@@ -16,7 +16,6 @@ import yaml
 from spotrain.workers.k8s import crd as k8s_crd
 from spotrain.workflows.spec import parse_spec
 from tests.kube.k8s_cluster import ROOT, ControlPlane
-from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kube.kubectl import CRDS, Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 

@@ -19,7 +19,6 @@ from spotrain.workers.k8s.operator import HOLDING
 from spotrain.workers.k8s.operator_status import job_name, workflow_id
 from spotrain.workflows.job import attributes
 from tests.kube.k8s_cluster import ControlPlane
-from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 from tests.kube.operator.operator_support import (

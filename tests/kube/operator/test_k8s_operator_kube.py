@@ -28,11 +28,9 @@ from spotrain.workers.k8s.operator_status import job_name
 from spotrain.workers.worker import workflow_worker
 from tests.elastic.test_local_runtime import WORKER
 from tests.jobs import FAST_ELASTIC, process_spec
-from tests.kube.k8s_cluster import (  # noqa: F401 (the fixtures)
+from tests.kube.k8s_cluster import (
     NAMESPACE,
     ControlPlane,
-    cluster_fixture,
-    control_plane_fixture,
 )
 from tests.kube.kube_kubelet import node_name, nodes_follow_instances
 from tests.kube.kube_support import job_on_kubernetes

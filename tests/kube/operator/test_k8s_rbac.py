@@ -11,7 +11,6 @@ import uuid
 import pytest
 
 from tests.kube.k8s_cluster import ROOT, ControlPlane
-from tests.kube.k8s_cluster import control_plane_fixture as control_plane_fixture
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 
