@@ -50,6 +50,19 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[children_tmp] = os.environ["TMPDIR"]
 
 
+SLOW_FOLDERS = ("kube", "chaos", "bench")  # the control plane; whole jobs under faults
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of SLOW_FOLDERS are `slow`, with the modules and tests that mark themselves
+    so (they take over about 10 s each). `pytest -m "not slow"` is the inner loop, and needs
+    no control plane (docs/development.md)."""
+    folders = [Path(__file__).parent / name for name in SLOW_FOLDERS]
+    for item in items:
+        if any(item.path.is_relative_to(folder) for folder in folders):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if folder := config.stash.get(children_tmp, None):
         shutil.rmtree(folder, ignore_errors=True)

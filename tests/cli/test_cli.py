@@ -36,6 +36,8 @@ from spotrain.workflows.job.state import JobStatus
 from tests.jobs import Sim, fast_runtime, fast_spec, simulated
 from tests.workflows.test_planner_job import T0, node, running, state
 
+pytestmark = pytest.mark.slow
+
 TOKEN = "cli-test-token"
 
 

@@ -22,6 +22,8 @@ pytest.importorskip("torch")
 
 # Enough that the job grows back before it ends: live resizes cost well under a second, so
 # 600 steps could finish at the shrunk size while the replacement's scaling timeout runs.
+pytestmark = pytest.mark.slow
+
 STEPS = 1200
 
 

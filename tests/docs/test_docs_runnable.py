@@ -21,6 +21,8 @@ import pytest
 
 from tests.cli.test_dev_stack import Dev
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 RUNNABLE = re.compile(r"^```\{\.sh \.runnable\}\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 

@@ -32,7 +32,7 @@ from tests.warm_python import WARM_PYTHON
 pytest.importorskip("torch")
 pytest.importorskip("s3torchconnector")
 
-pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_python_server")]  # (warm_python.py)
 
 RANK = Path(__file__).resolve().parent / "ckpt_rank.py"
 

@@ -13,7 +13,7 @@ from tests.elastic.integration_support import Scenario
 from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_python_server")]  # (warm_python.py)
 
 MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 

@@ -50,7 +50,7 @@ from tests.warm_python import WARM_PYTHON
 pytest.importorskip("torch")
 
 
-pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_python_server")]  # (warm_python.py)
 COLD = [sys.executable]  # for ranks a test freezes with SIGSTOP
 
 

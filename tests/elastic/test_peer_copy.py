@@ -22,7 +22,7 @@ from spotrain.workflows.spec import parse_spec
 from tests.jobs import job_spec
 from tests.warm_python import WARM_PYTHON
 
-pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_python_server")]  # (warm_python.py)
 
 torch = pytest.importorskip("torch")
 

@@ -29,7 +29,7 @@ from tests.warm_python import WARM_PYTHON
 
 pytest.importorskip("torch")
 
-pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_python_server")]  # (warm_python.py)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 TOTAL_STEPS = 300

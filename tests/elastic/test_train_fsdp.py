@@ -27,7 +27,7 @@ from tests.elastic.test_train_ddp import records, run_to_end, stop_generation, w
 
 pytest.importorskip("torch")
 
-pytestmark = pytest.mark.usefixtures("warm_python_server")  # tests/warm_python.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_python_server")]  # (warm_python.py)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
 TOTAL_STEPS = 60

@@ -42,6 +42,8 @@ from tests.webhook.webhook_support import (
     webhook_process,
 )
 
+pytestmark = pytest.mark.slow
+
 GUARD = "i-0fuzzguard"  # owned by a running job: no fuzz input may reach it
 UNKNOWN = "i-0fuzzunknown"  # owned by nobody: valid-looking inputs end as 202
 PATHS = ["/v1/reclaims", "/v1/events/aws", "/v1/events/kubernetes"]

@@ -31,6 +31,8 @@ from tests.jobs import (
 )
 from tests.jobs import sizes as world_sizes
 
+pytestmark = pytest.mark.slow
+
 Handle = WorkflowHandle[Any, Any]
 MBB = {"early_warning": "make_before_break", "reclaim_notice": "make_before_break"}
 ALWAYS = {"warning_rule": "always"}  # the swap's mechanics, whatever a warning is worth

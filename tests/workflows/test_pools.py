@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
@@ -26,6 +27,8 @@ from tests.jobs import (
     sizes,
     until,
 )
+
+pytestmark = pytest.mark.slow
 
 Handle = WorkflowHandle[Any, Any]
 
@@ -81,11 +84,13 @@ async def test_high_priority_arrival_shrinks_gracefully_and_growth_goes_progress
     name = new_pool()
     async with simulated(dev_env.client, runtime=runtime()) as sim:
         pool = await sim.start_pool(name=name, max_nodes=6)
-        slow = await sim.start(pooled(name, 1600, 2, 4))  # first in, slow to progress
+        # (quick's 600 steps left at 40 a second must outlast high's admission beside two busy
+        # loops: with 300 left, quick once ended first, and the freed nodes went to slow)
+        slow = await sim.start(pooled(name, 3200, 2, 4))  # first in, slow to progress
         await until(sim, slow, running_at(4))
-        quick = await sim.start(pooled(name, 500, 2, 4))  # a larger share of its work done
+        quick = await sim.start(pooled(name, 1000, 2, 4))  # a larger share of its work done
         await until(sim, quick, running_at(2))
-        await until(sim, quick, lambda s: s.step >= 200)  # 40% of quick, ~25% of slow
+        await until(sim, quick, lambda s: s.step >= 400)  # 40% of quick, ~25% of slow
         high = await sim.start(pooled(name, 100, 2, 2, priority=10))
         results = await asyncio.gather(*(h.result() for h in (slow, quick, high)))
         final = await until_pool(pool, lambda p: not p.jobs)

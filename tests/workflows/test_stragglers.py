@@ -39,6 +39,8 @@ from spotrain.workflows.spec import SpecError, StragglerPolicy, parse_spec
 from tests.jobs import FAST_ELASTIC, job_spec, polled, record_history
 from tests.warm_python import WARM_PYTHON
 
+pytestmark = pytest.mark.slow
+
 T0 = datetime(2026, 11, 24, tzinfo=UTC)
 POLICY = StragglerPolicy(slowdown=2.0, patience_s=300)
 

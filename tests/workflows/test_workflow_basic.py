@@ -97,6 +97,7 @@ async def test_total_gpus_are_packed_onto_node_shapes(ts_env: WorkflowEnvironmen
     assert result.steps_done == 3_600
 
 
+@pytest.mark.slow
 async def test_a_week_with_120_reclaims_continues_as_new_with_its_books_and_stays_bounded(
     ts_env: WorkflowEnvironment,
 ) -> None:

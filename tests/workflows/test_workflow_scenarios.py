@@ -43,6 +43,8 @@ from tests.jobs import (
     until,
 )
 
+pytestmark = pytest.mark.slow
+
 Handle = WorkflowHandle[Any, Any]
 ONE_ZONE = {"zones": ["us-east-1a"]}
 

@@ -1,0 +1,50 @@
+"""Where the suite's time went: `python -m tests.durations .ci/junit.xml [--top N]` reads the
+JUnit report `.ci/run` writes and prints the worker-seconds by folder and by file, and the
+slowest tests (call, setup and teardown together, as pytest-xdist's workers spent them)."""
+
+from __future__ import annotations
+
+import argparse
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+
+def durations(report: Path) -> dict[str, float]:
+    """Seconds per test id (`tests/x/test_y.py::test_z[...]`)."""
+    found: dict[str, float] = {}
+    for case in ET.parse(report).iter("testcase"):
+        module = case.get("classname", "").split(".")
+        # classname is the dotted module (and class); the file is its first parts that exist
+        path = "/".join(module)
+        while module and not Path(f"{path}.py").exists():
+            module.pop()
+            path = "/".join(module)
+        found[f"{path}.py::{case.get('name')}"] = float(case.get("time", 0))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("report", type=Path)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    seconds = durations(args.report)
+    by_file: Counter[str] = Counter()
+    by_folder: Counter[str] = Counter()
+    for test, s in seconds.items():
+        file = test.split("::")[0]
+        by_file[file] += s
+        by_folder["/".join(file.split("/")[:2])] += s
+    print(f"{len(seconds)} tests, {sum(seconds.values()):.0f} worker-seconds")
+    for title, counts in (("by folder", by_folder), ("by file", by_file)):
+        print(f"\n{title}")
+        for name, s in counts.most_common(args.top):
+            print(f"{s:8.0f} s  {name}")
+    print("\nslowest tests")
+    for test, s in sorted(seconds.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"{s:8.1f} s  {test}")
+
+
+if __name__ == "__main__":
+    main()
