@@ -101,6 +101,7 @@ async def test_activities_through_temporal(
     assert live(provider, job) == []
 
 
+@pytest.mark.slow
 async def test_training_job_across_regions_recovers_a_reclaim_and_leaks_nothing(
     dev_env: WorkflowEnvironment, provider: EC2Provider
 ) -> None:

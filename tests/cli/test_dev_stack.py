@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from spotrain.workers.embedded.stack import free_port, port_block
 
 
@@ -77,6 +79,7 @@ class Dev:
                 proc.kill()
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_everything_and_temporal_state_survives_a_restart(tmp_path: Path) -> None:
     dev = Dev(tmp_path / "state")
     proc = dev.start()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import pytest
 from temporalio.client import WorkflowExecutionStatus
 
 from spotrain.activities.ec2_ownership import MANAGED, TAG_JOB
@@ -36,6 +37,7 @@ def states(ec2: Any, ids: list[str]) -> dict[str, str]:
     return {i["InstanceId"]: i["State"]["Name"] for r in reservations for i in r["Instances"]}
 
 
+@pytest.mark.slow
 async def test_a_stuck_job_is_shown_with_its_error_and_released_by_its_tags(
     cli: Cli,  # noqa: F811
     moto_endpoint: str,

@@ -48,6 +48,7 @@ class FlakyTaskJob:
         return self.paused
 
 
+@pytest.mark.slow
 async def test_an_update_aborted_by_a_failed_workflow_task_is_tried_again(
     dev_env: WorkflowEnvironment,
 ) -> None:

@@ -145,6 +145,7 @@ def rebalance_event(node_id: str) -> dict[str, Any]:
     return event
 
 
+@pytest.mark.slow
 async def test_a_retirement_through_the_webhook_is_swapped_where_a_rebalance_is_declined(
     dev_env: WorkflowEnvironment,
 ) -> None:
