@@ -59,7 +59,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 # if one did).
 UNUSED_PLUGINS = [f"-pno:{name}" for name in ("cacheprovider", "xdist", "schemathesis", "anyio")]
 FAILED = re.compile(r"^FAILED (\S+)", re.M)
-SKIPPED = re.compile(r"^SKIPPED \[\d+\] (.+)$", re.M)  # (`-rs`: where and why)
+SKIPPED = re.compile(r"^SKIPPED \[\d+\] (.+)$", re.M)  # (where and why)
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class WarmPytest:
         """The named tests, as `python -m pytest -x -q` in the copy would run them. A run that
         times out first writes where it waits (warm_pytest.dump_stacks) into its tail."""
         log = self.root / "pytest.log"
-        args = ["-x", "-q", "-rs", *UNUSED_PLUGINS, *tests]
+        args = ["-x", "-q", *UNUSED_PLUGINS, *tests]  # (pyproject's -ra lists FAILED and SKIPPED)
         assert self.server.stdin is not None
         started = time.monotonic()
         self.server.stdin.write(json.dumps({"args": args, "log": str(log)}) + "\n")

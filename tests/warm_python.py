@@ -89,9 +89,9 @@ def _die_of(signum: int) -> None:
 
 
 class _Server:
-    """One thread, no locks held at fork: a selector over the listening socket and a pidfd
-    per child, so each child's end (exit code or signal, as waitpid has it) goes back to its
-    client."""
+    """A loop in one thread that holds no lock when it forks: a selector over the listening
+    socket and a pidfd per child, so each child's end (exit code or signal, as waitpid has
+    it) goes back to its client."""
 
     def __init__(self, path: str) -> None:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -119,6 +119,11 @@ class _Server:
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
         data, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE, 3)
+        if not data or len(fds) != 3:  # a client killed before it asked
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
         request = json.loads(data)
         sys.stdout.flush()
         sys.stderr.flush()
