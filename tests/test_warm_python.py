@@ -79,28 +79,34 @@ def test_sigterm_reaches_the_rank_and_a_killed_client_takes_it_along(tmp_path: P
         time.sleep(60)
     """
     pid_file = tmp_path / "pid"
+    clients: list[subprocess.Popen[bytes]] = []
 
     def start() -> tuple[subprocess.Popen[bytes], int]:
         pid_file.unlink(missing_ok=True)
-        client = subprocess.Popen([*WARM_PYTHON, "-c", code, str(pid_file)])
+        clients.append(subprocess.Popen([*WARM_PYTHON, "-c", code, str(pid_file)]))
         deadline = time.monotonic() + 60
         while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline and client.poll() is None
+            assert time.monotonic() < deadline and clients[-1].poll() is None
             time.sleep(0.05)
-        return client, int(pid_file.read_text())
+        return clients[-1], int(pid_file.read_text())
 
-    client, rank = start()
-    assert rank != client.pid  # forked by the server, not the client itself
-    client.send_signal(signal.SIGTERM)
-    assert client.wait(timeout=30) == 7
+    try:
+        client, rank = start()
+        assert rank != client.pid  # forked by the server, not the client itself
+        client.send_signal(signal.SIGTERM)
+        assert client.wait(timeout=30) == 7
 
-    client, rank = start()
-    client.kill()
-    client.wait()
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
-        assert time.monotonic() < deadline, f"rank {rank} outlived its killed client"
-        time.sleep(0.05)
+        client, rank = start()
+        client.kill()
+        client.wait()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+            assert time.monotonic() < deadline, f"rank {rank} outlived its killed client"
+            time.sleep(0.05)
+    finally:  # (a killed client takes its rank along)
+        for started in clients:
+            started.kill()
+            started.wait()
 
 
 def _state(pid: int) -> str:

@@ -15,7 +15,7 @@ _started: list[ControlPlane] = []  # the process's plane, once a test has asked 
 
 @pytest.fixture(scope="session", name="control_plane")
 def control_plane_fixture() -> Iterator[ControlPlane]:
-    """Its processes lead their own process groups, are stopped here, and get SIGTERM from
+    """Its processes lead their own process groups, are stopped here, and are SIGKILLed by
     the kernel if this process dies first (tests/kube/test_kube_apiserver.py checks both)."""
     with ControlPlane.running(control_plane_or_skip()) as plane:
         _started.append(plane)
