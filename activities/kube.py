@@ -43,7 +43,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -56,6 +56,7 @@ from spotrain.activities.kube_api import (
     Pods,
     absent,
     config_errors,
+    default_api_client,
     ready,
 )
 from spotrain.activities.kube_objects import (
@@ -144,12 +145,7 @@ class KubeRuntime(PodApi):
         head_start_s: float = 240.0,
         tolerations: tuple[dict[str, str], ...] = SPOT_TOLERATIONS,
     ) -> None:
-        if api_client is None:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api_client = client.ApiClient()
+        api_client = api_client or default_api_client()
         super().__init__(client.CoreV1Api(api_client), watch_s, gang_timeout_s)
         self.namespace = namespace
         self.master_port = master_port

@@ -13,11 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kubernetes import client, watch
+from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from spotrain.activities.kube_objects import NODE_LABEL
 from spotrain.workflows import contract
 
 GANG_ERROR = "GangStartError"  # retryable: the workflow's retry policy re-runs the gang start
@@ -55,9 +56,23 @@ def _message(err: ApiException) -> str:
         return str(err.body or "")
 
 
+def default_api_client() -> client.ApiClient:
+    """The cluster's API as the process finds it: its pod's service account, else the
+    kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
 def instance_id(node: client.V1Node) -> str | None:
-    """EC2 instance id of a node: the instance-id label, else providerID's last segment."""
+    """The node provider's id of a node: the spotrain.io/node label (a NodeClaim's name, which
+    Karpenter copies onto its node), else the EC2 instance id (the instance-id label, else
+    providerID's last segment)."""
     labels = node.metadata.labels or {}
+    if NODE_LABEL in labels:
+        return labels[NODE_LABEL]
     if "node.kubernetes.io/instance-id" in labels:
         return labels["node.kubernetes.io/instance-id"]
     provider = node.spec.provider_id if node.spec else None

@@ -20,6 +20,8 @@ GENERATION = "spotrain.io/generation"
 RANK = "spotrain.io/rank"
 CONTROL = "spotrain.io/control"  # annotation: the elastic event
 NODE_ID = "spotrain.io/node-id"  # annotation: the member's instance id
+NODE_LABEL = "spotrain.io/node"  # a node's label: its node id (a NodeClaim spotrain made)
+DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"  # annotation: Karpenter leaves the pod's node
 PROCS = "spotrain.io/procs"  # annotation: processes (ranks) in this pod
 MEMBERS = "spotrain.io/members"  # annotation: pods in this generation
 SPEC = "spotrain.io/spec"  # annotation: a digest of the pod as it was made
@@ -162,6 +164,7 @@ def pod_body(
             },
             "annotations": {
                 NODE_ID: member.node_id,
+                DO_NOT_DISRUPT: "true",
                 PROCS: str(member.procs),
                 MEMBERS: str(len(plan.members)),
             },

@@ -56,7 +56,7 @@ def workflow_worker(
     )
 
 
-PROVIDERS = ("ec2", "simulated")
+PROVIDERS = ("ec2", "karpenter", "simulated")
 RUNTIMES = ("local", "kubernetes", "simulated")
 DEFAULT_STATE_DIR = Path(os.environ.get("SPOTRAIN_STATE_DIR", Path.home() / ".spotrain"))
 
@@ -68,6 +68,10 @@ def build_activities(provider: str, runtime: str, state_dir: Path) -> list[Calla
         from spotrain.activities.ec2 import EC2Provider
 
         activities += EC2Provider.from_env().activities()
+    elif provider == "karpenter":
+        from spotrain.activities.karpenter import KarpenterProvider
+
+        activities += KarpenterProvider.from_env().activities()
     elif provider == "simulated":
         from spotrain.activities.simulated import SimulatedCloud
 
@@ -117,13 +121,16 @@ def parser() -> argparse.ArgumentParser:
         prog="spotrain worker",
         description="Run the Temporal worker that drives TrainingJob workflows.",
         epilog="examples:\n"
-        "  spotrain worker --provider ec2 --runtime kubernetes --metrics 0.0.0.0:9464\n"
+        "  spotrain worker --provider karpenter --runtime kubernetes --metrics 0.0.0.0:9464\n"
+        "  spotrain worker --provider ec2 --runtime kubernetes\n"
         "  spotrain worker --provider simulated --runtime simulated --task-queue try-it\n\n"
         "Temporal connection: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, "
         "TEMPORAL_TLS_* (mutual TLS), TEMPORAL_PROFILE (the SDK's standard settings; "
         "docs/security.md). EC2: boto3's standard credential "
         "chain plus SPOTRAIN_EC2_ENDPOINT, SPOTRAIN_AMI, SPOTRAIN_LAUNCH_TEMPLATE, "
-        "SPOTRAIN_SUBNETS, SPOTRAIN_EC2_LAUNCH (instances | fleet).",
+        "SPOTRAIN_SUBNETS, SPOTRAIN_EC2_LAUNCH (instances | fleet). Karpenter: "
+        "SPOTRAIN_KARPENTER_NODECLASS (group/kind/name), SPOTRAIN_KARPENTER_NODEPOOL, "
+        "SPOTRAIN_KARPENTER_LAUNCH_TIMEOUT_S.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -192,15 +199,25 @@ async def serve(args: argparse.Namespace, runtime: Runtime) -> None:
         args.provider,
         args.runtime,
     )
+    notices = None
+    if args.provider == "karpenter":  # its disruptions of the jobs' nodes: their notices
+        from spotrain.activities.kube_api import default_api_client
+        from spotrain.workers.karpenter_notices import KarpenterNotices
+
+        notices = asyncio.create_task(KarpenterNotices(client, default_api_client()).run(stop))
     try:
         await run_worker(client, activities, args.task_queue, stop)
     finally:
-        if collector:
-            collector.cancel()
+        for task in (collector, notices):
+            if task:
+                task.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.provider == "karpenter" and args.runtime != "kubernetes":
+        p.error("--provider karpenter makes Kubernetes nodes: use it with --runtime kubernetes")
     runtime = metrics.setup(args.metrics, args.json_logs)  # before any client connects
     try:
         asyncio.run(serve(args, runtime))

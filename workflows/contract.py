@@ -154,6 +154,7 @@ class LaunchRequest(Regional):
     instance_type: str
     zone: str | None = None
     max_price: float | None = None
+    gpus: int = Field(0, description="GPUs the node must have (a NodeClaim requests them)")
     fallback_pools: list[tuple[str, str]] = Field(
         default_factory=list,
         description="other (type, zone) spot pools that would do, best first: a provider that "

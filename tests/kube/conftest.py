@@ -1,14 +1,17 @@
 """The Kubernetes tests' control plane: one per test process, started by the first test that
 needs it and stopped at the end of the run; each test module leaves it as it found it
-(spotrain's objects, nodes and custom resources removed), so a module sees no other's."""
+(spotrain's objects, nodes and custom resources removed), so a module sees no other's. A module
+that asks for `karpenter` gets a Karpenter controller on it for the module's tests."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+from kubernetes import utils
 
 from tests.kube.k8s_cluster import ControlPlane, control_plane_or_skip
+from tests.kube.karpenter import RBAC, Karpenter, KarpenterNodes
 
 _started: list[ControlPlane] = []  # the process's plane, once a test has asked for it
 
@@ -35,3 +38,29 @@ def cluster_fixture(control_plane: ControlPlane) -> Iterator[ControlPlane]:
     """The shared control plane, emptied of spotrain's objects and nodes after the test."""
     yield control_plane
     control_plane.reset()
+
+
+@pytest.fixture(scope="module", name="karpenter")
+def karpenter_fixture(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Karpenter]:
+    controller = Karpenter(control_plane, tmp_path_factory.mktemp("karpenter"))
+    controller.install()
+    try:
+        utils.create_from_yaml(control_plane.admin, str(RBAC))
+    except utils.FailToCreateError as err:  # (bound by an earlier module: the same grant)
+        assert all(e.status == 409 for e in err.api_exceptions), err
+    control_plane.wait_until_allowed(
+        "spotrain-worker", "create", "nodeclaims", "", group="karpenter.sh"
+    )
+    controller.start()
+    try:
+        yield controller
+    finally:
+        controller.stop()
+
+
+@pytest.fixture(name="nodes")
+def nodes_fixture(cluster: ControlPlane, karpenter: Karpenter) -> Iterator[KarpenterNodes]:
+    with KarpenterNodes(cluster).serving() as nodes:
+        yield nodes

@@ -7,7 +7,7 @@ Identities: `admin` (system:masters, for the test's own setup and inspection), a
 ServiceAccount through the TokenRequest API, each written as a kubeconfig file.
 
 Only the kubelet is missing (no container runtime here). Two stand-ins, each on its own nodes:
-- kwok manages the nodes created with `fake=True` (annotation kwok.x-k8s.io/node=fake): it
+- kwok manages the nodes created with `fake=True` (annotation spotrain.test/kwok=fake): it
   keeps them Ready and turns every pod bound to them Running and Ready, running nothing; a
   deleted pod goes at its deletionTimestamp, i.e. after its grace period, as if its container
   ignored SIGTERM.
@@ -60,7 +60,9 @@ RBAC_IN_FORCE = (
     ("spotrain-worker", "list", "nodes", ""),
     ("spotrain-webhook", "get", "nodes", ""),
 )
-FAKE = "kwok.x-k8s.io/node"  # annotation: kwok manages this node and its pods
+# annotation: kwok manages this node and its pods (not kwok's own kwok.x-k8s.io/node, which
+# Karpenter's kwok provider puts on every node it makes: tests/kube/karpenter.py keeps those)
+FAKE = "spotrain.test/kwok"
 TOOLS = ("etcd", "kube-apiserver", "kube-scheduler", "kwok")
 
 # kwok's stages: nodes become Ready (capacity comes from add_node); pods on them Running and
@@ -155,22 +157,33 @@ class MissingBinaries(RuntimeError):
     """The control plane's binaries are not built (run infra/k8s/controlplane/build.sh)."""
 
 
-def binaries(build: bool = False) -> Path:
-    """The directory holding the pinned binaries: SPOTRAIN_K8S_BIN, else build.sh's cache
-    (building them first only if `build`)."""
-    if "SPOTRAIN_K8S_BIN" in os.environ:
-        found = Path(os.environ["SPOTRAIN_K8S_BIN"])
+COMPONENTS = {  # build.sh's argument -> the variable naming its directory, what it holds
+    "controlplane": ("SPOTRAIN_K8S_BIN", TOOLS),
+    "karpenter": ("SPOTRAIN_KARPENTER_BIN", ("karpenter-kwok", "crds")),
+}
+
+
+def binaries(build: bool = False, component: str = "controlplane") -> Path:
+    """The directory holding a component's pinned binaries: its variable (SPOTRAIN_K8S_BIN,
+    SPOTRAIN_KARPENTER_BIN), else build.sh's cache (building them first only if `build`)."""
+    variable, tools = COMPONENTS[component]
+    if variable in os.environ:
+        found = Path(os.environ[variable])
     else:
         if not build and shutil.which("go") is None:
-            raise MissingBinaries("no Go toolchain to locate or build the control plane")
+            raise MissingBinaries(f"no Go toolchain to locate or build the {component}")
         env = dict(os.environ, SPOTRAIN_K8S_CHECK_ONLY="" if build else "1")
-        done = subprocess.run(["bash", str(BUILD)], env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            ["bash", str(BUILD), component], env=env, capture_output=True, text=True
+        )
         if done.returncode:
             raise MissingBinaries(done.stderr.strip().splitlines()[-1])
         found = Path(done.stdout.strip())
-    missing = [t for t in TOOLS if not (found / t).is_file()]
+    missing = [t for t in tools if not (found / t).exists()]
     if missing:
-        raise MissingBinaries(f"{missing} not in {found}: run {BUILD.relative_to(ROOT)}")
+        raise MissingBinaries(
+            f"{missing} not in {found}: run {BUILD.relative_to(ROOT)} {component}"
+        )
     return found
 
 
@@ -434,7 +447,13 @@ class ControlPlane:
                     raise
 
     def wait_until_allowed(
-        self, service_account: str, verb: str, resource: str, namespace: str, timeout: float = 60
+        self,
+        service_account: str,
+        verb: str,
+        resource: str,
+        namespace: str,
+        timeout: float = 60,
+        group: str = "",
     ) -> None:
         """Until the apiserver's authorizer lets `service_account` (of spotrain's namespace) do
         `verb` on `resource`: RBAC authorizes from an informer's cache, so a Role or RoleBinding
@@ -445,7 +464,7 @@ class ControlPlane:
                 user=f"system:serviceaccount:{NAMESPACE}:{service_account}",
                 groups=["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}"],
                 resource_attributes=client.V1ResourceAttributes(
-                    namespace=namespace, verb=verb, resource=resource
+                    namespace=namespace, verb=verb, resource=resource, group=group
                 ),
             )
         )
@@ -560,17 +579,19 @@ class ControlPlane:
             _gone(core.delete_namespaced_config_map, cm.metadata.name, cm.metadata.namespace)
         for secret in core.list_secret_for_all_namespaces(label_selector=selector).items:
             _gone(core.delete_namespaced_secret, secret.metadata.name, secret.metadata.namespace)
-        for node in core.list_node().items:
-            _gone(core.delete_node, node.metadata.name)
         custom = client.CustomObjectsApi(self.admin)
+        for claim in _listed(custom, "karpenter.sh", "v1", "nodeclaims"):
+            name = claim["metadata"]["name"]  # (Karpenter's finalizer: Karpenter has gone)
+            args = ("karpenter.sh", "v1", "nodeclaims", name)
+            _gone(custom.patch_cluster_custom_object, *args, {"metadata": {"finalizers": None}})
+            _gone(custom.delete_cluster_custom_object, *args)
+        for node in core.list_node().items:
+            if node.metadata.finalizers:
+                _gone(core.patch_node, node.metadata.name, {"metadata": {"finalizers": None}})
+            _gone(core.delete_node, node.metadata.name)
         for plural in CUSTOM_RESOURCES:
-            try:
-                found = custom.list_cluster_custom_object(CRD_GROUP, CRD_VERSION, plural)
-            except client.ApiException as err:
-                if err.status == 404:  # no CRDs installed: nothing of the kind
-                    continue
-                raise
-            for obj in found["items"]:  # (an operator's finalizer: its operator has gone)
+            # (an operator's finalizer: its operator has gone)
+            for obj in _listed(custom, CRD_GROUP, CRD_VERSION, plural):
                 meta = obj["metadata"]
                 args = (CRD_GROUP, CRD_VERSION, meta["namespace"], plural, meta["name"])
                 _gone(
@@ -593,6 +614,16 @@ def _killed_with_parent() -> None:
     etcd gone too, kube-apiserver's graceful shutdown outlived its owner by over 30 s (seen
     in tests/kube/test_kube_apiserver.py)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _listed(custom: client.CustomObjectsApi, group: str, version: str, plural: str) -> list[Any]:
+    """Every object of a kind; none when its CRD is not installed."""
+    try:
+        return list(custom.list_cluster_custom_object(group, version, plural)["items"])
+    except client.ApiException as err:
+        if err.status == 404:
+            return []
+        raise
 
 
 def _ready(node: client.V1Node) -> bool:

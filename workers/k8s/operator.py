@@ -26,13 +26,14 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from kubernetes import client, config, watch
+from kubernetes import client, watch
 from temporalio.api.enums.v1 import WorkflowExecutionStatus
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from spotrain.activities.kube_api import default_api_client
 from spotrain.workers.connect import connect
 from spotrain.workers.k8s.crd import API_VERSION, FINALIZER, GROUP, VERSION
 from spotrain.workers.k8s.operator_status import (
@@ -373,10 +374,7 @@ def main() -> None:
     parser.add_argument("--resync-s", type=float, default=5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    default_api_client()  # (loads the configuration the clients below use)
 
     async def serve() -> None:
         temporal = await connect()

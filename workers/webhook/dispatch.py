@@ -35,7 +35,6 @@ from datetime import timedelta
 from typing import Any
 
 from kubernetes import client as kube_client
-from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import WorkflowExecutionStatus
@@ -81,12 +80,7 @@ class NodeNames:
     Names are cached: a node keeps its instance for life."""
 
     def __init__(self, api_client: kube_client.ApiClient | None = None) -> None:
-        if api_client is None:
-            try:
-                kube_config.load_incluster_config()
-            except kube_config.ConfigException:
-                kube_config.load_kube_config()
-        self._core = kube_client.CoreV1Api(api_client)
+        self._core = kube_client.CoreV1Api(api_client or kube_api.default_api_client())
         self._known: dict[str, str] = {}
 
     async def instance_id(self, name: str) -> str | None:

@@ -134,6 +134,7 @@ class Fleet:
             instance_type=node.instance_type,
             zone=node.zone,
             max_price=s.spec.spot.max_price if spot else None,
+            gpus=s.spec.instance_type(node.instance_type).gpus,
             **self._regions(),
             fallback_pools=[(t, z) for t, z, lc in rest if lc == "spot" and z] if spot else [],
         )

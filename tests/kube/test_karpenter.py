@@ -1,0 +1,150 @@
+"""The Karpenter node provider against a real Karpenter controller (tests/kube/karpenter.py)
+on the real apiserver, as the worker's ServiceAccount with infra/k8s/karpenter/rbac.yaml: a
+launch is a NodeClaim that Karpenter launches, registers and initializes; a retried launch
+makes no second claim; spot that Karpenter cannot launch is a capacity error; consolidation
+leaves a training node alone; release leaves nothing behind.
+
+Stood in for: the kubelet and the node lifecycle controller (tests/kube/karpenter.py's
+KarpenterNodes posts each new node Ready and lifts its not-ready taint)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from spotrain.activities.karpenter import (
+    claim_body,
+    claim_name,
+    node_class_ref,
+)
+from spotrain.workflows.contract import (
+    CAPACITY_ERROR,
+    DescribeRequest,
+    LaunchRequest,
+    ReleaseRequest,
+)
+from tests.kube.k8s_cluster import ControlPlane
+from tests.kube.karpenter import (
+    NODE_CLASS,
+    NODEPOOL,
+    Karpenter,
+    KarpenterNodes,
+    provider,
+)
+from tests.kube.kube_support import wait_until
+
+
+def launch(job: str, slot: int = 0, **kw: object) -> LaunchRequest:
+    fields: dict[str, object] = dict(
+        job=job, slot=slot, attempt=0, generation=1, lifecycle="spot", instance_type="g5.xlarge"
+    )
+    return LaunchRequest.model_validate(fields | kw)
+
+
+def test_a_launch_is_a_nodeclaim_that_karpenter_makes_ready_once(
+    cluster: ControlPlane, karpenter: Karpenter, nodes: KarpenterNodes
+) -> None:
+    p, env = provider(cluster), ActivityEnvironment()
+    req = launch("train-a", zone="us-east-1b", gpus=1)
+    info = env.run(p.launch_node, req)
+    assert (info.node_id, info.state) == (claim_name("train-a", 0, 0), "ready")
+    assert (info.lifecycle, info.instance_type, info.zone, info.slot) == (
+        "spot",
+        "g5.xlarge",
+        "us-east-1b",
+        0,
+    )
+    claim = karpenter.claims()[info.node_id]
+    labels = claim["metadata"]["labels"]
+    assert labels["spotrain.io/job"] == "train-a" and labels["spotrain.io/slot"] == "0"
+    assert labels["karpenter.sh/nodepool"] == NODEPOOL
+    assert claim["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    assert claim["spec"]["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert claim["spec"]["expireAfter"] == "Never"
+    # Karpenter registered the node with the claim's labels: the runtime finds it by them
+    node = client.CoreV1Api(cluster.admin).read_node(claim["status"]["nodeName"])
+    assert node.metadata.labels["spotrain.io/node"] == info.node_id
+    assert node.metadata.labels["karpenter.sh/capacity-type"] == "spot"
+    assert node.metadata.labels["topology.kubernetes.io/zone"] == "us-east-1b"
+
+    # The worker killed between the create and the read: the retry finds the same claim.
+    assert env.run(p.launch_node, req) == info
+    assert list(karpenter.claims()) == [info.node_id]
+    asked = DescribeRequest(job="train-a", node_ids=[info.node_id, "spotrain-train-a-s9-a0"])
+    ready, unknown = env.run(p.describe_nodes, asked)
+    assert ready.state == "ready" and (unknown.state, unknown.reason) == ("gone", "not-found")
+
+    released = env.run(p.release_nodes, ReleaseRequest(job="train-a", node_ids=[info.node_id]))
+    assert released == [info.node_id]
+    wait_until(lambda: not karpenter.claims(), 30)  # Karpenter drained and terminated it
+    assert env.run(p.describe_nodes, asked)[0].state == "gone"
+    assert env.run(p.release_nodes, ReleaseRequest(job="train-a", node_ids=[info.node_id])) == []
+
+
+def test_another_jobs_claims_are_neither_described_nor_released(
+    cluster: ControlPlane, karpenter: Karpenter, nodes: KarpenterNodes
+) -> None:
+    p, env = provider(cluster), ActivityEnvironment()
+    mine = env.run(p.launch_node, launch("train-b", lifecycle="on-demand"))
+    assert mine.lifecycle == "on-demand"
+    assert env.run(p.release_nodes, ReleaseRequest(job="train-c", node_ids=[mine.node_id])) == []
+    assert env.run(p.describe_nodes, DescribeRequest(job="train-c", node_ids=[])) == []
+    assert [
+        n.node_id for n in env.run(p.describe_nodes, DescribeRequest(job="train-b", node_ids=[]))
+    ] == [mine.node_id]
+    assert mine.node_id in karpenter.claims()
+
+
+def test_spot_karpenter_cannot_launch_is_a_capacity_error(
+    cluster: ControlPlane, karpenter: Karpenter, nodes: KarpenterNodes
+) -> None:
+    """No spot offering left: the claim never launches, so after the launch timeout it is
+    deleted and the pool reported out of capacity; on-demand still launches."""
+    p, env = provider(cluster, launch_timeout_s=3), ActivityEnvironment()
+    karpenter.offer_spot(False)
+    try:
+        with pytest.raises(ApplicationError) as caught:
+            env.run(p.launch_node, launch("train-d"))
+        assert caught.value.type == CAPACITY_ERROR and caught.value.non_retryable
+        assert "not ready after 3s" in str(caught.value)
+        wait_until(lambda: not karpenter.claims(), 30)
+        fallback = env.run(p.launch_node, launch("train-d", attempt=1, lifecycle="on-demand"))
+        assert fallback.lifecycle == "on-demand" and fallback.state == "ready"
+    finally:
+        karpenter.offer_spot(True)
+    spot = env.run(p.launch_node, launch("train-d", slot=1))
+    assert spot.lifecycle == "spot" and spot.state == "ready"
+
+
+def test_consolidation_leaves_a_training_node_alone(
+    cluster: ControlPlane, karpenter: Karpenter, nodes: KarpenterNodes
+) -> None:
+    """An empty node in an eagerly consolidating NodePool: Karpenter takes the one that is
+    not spotrain's at once, and leaves spotrain's (do-not-disrupt) alone."""
+    p, env = provider(cluster), ActivityEnvironment()
+    ours = env.run(p.launch_node, launch("train-e", lifecycle="on-demand"))
+    other = launch("someone-else", lifecycle="on-demand")
+    body = claim_body_without_protection(other)
+    karpenter.custom.create_cluster_custom_object("karpenter.sh", "v1", "nodeclaims", body)
+    name = body["metadata"]["name"]
+    wait_until(lambda: name not in karpenter.claims(""), 90)  # consolidated: Karpenter works
+    claim = karpenter.claims()[ours.node_id]
+    assert not claim["metadata"].get("deletionTimestamp")
+    conditions = {c["type"]: c["status"] for c in claim["status"]["conditions"]}
+    assert conditions.get("DisruptionReason") != "True"
+    assert (
+        env.run(p.describe_nodes, DescribeRequest(job="train-e", node_ids=[ours.node_id]))[0].state
+        == "ready"
+    )
+
+
+def claim_body_without_protection(req: LaunchRequest) -> dict[str, Any]:
+    """A claim as anyone else's in the pool: no do-not-disrupt, not spotrain's."""
+    body = claim_body(req, node_class_ref(NODE_CLASS), NODEPOOL)
+    body["metadata"]["annotations"] = {}
+    body["metadata"]["labels"] = {"karpenter.sh/nodepool": NODEPOOL}
+    return body

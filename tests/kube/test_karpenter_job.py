@@ -1,0 +1,206 @@
+"""Whole TrainingJobs on the Karpenter provider, against a real Karpenter controller on the real
+apiserver (tests/kube/karpenter.py), with the worker's Karpenter notices (workers/
+karpenter_notices.py) as the only notice path:
+
+- spot that Karpenter can no longer launch falls back to on-demand, and the job goes back to
+  spot when spot returns; a NodeClaim deleted as Karpenter's interruption handling deletes it
+  is a notice; cancel leaves no NodeClaim behind (the simulated runtime: no pods needed);
+- with real ranks (`resize: live`, the example in every pod): the job grows onto NodeClaims, a
+  deleted NodeClaim is a notice the survivors resize through live while a replacement claim
+  comes, a node gone without a drain is a loss that costs at most one step, and it completes
+  with no NodeClaim or pod left.
+
+Stood in for: the kubelet (tests/kube/kube_kubelet.py's LocalKubelet runs each pod's command
+as a local process) and the node lifecycle controller (KarpenterNodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from spotrain.activities.kube import KubeRuntime
+from spotrain.activities.kube_live import PORT_SPAN
+from spotrain.workers.embedded.stack import port_block
+from spotrain.workers.karpenter_notices import KarpenterNotices
+from spotrain.workers.worker import workflow_worker
+from spotrain.workflows.job.state import JobResult, JobStatus
+from tests.elastic.test_control_channel import wait_status
+from tests.elastic.test_live_resize import live_job_spec
+from tests.jobs import fast_runtime, fast_spec
+from tests.kube.k8s_cluster import NAMESPACE, ControlPlane
+from tests.kube.karpenter import TYPES, Karpenter, KarpenterNodes, provider
+from tests.kube.kube_kubelet import LocalKubelet
+
+GPUS, SPOT, ON_DEMAND = TYPES["g5.xlarge"]
+SPOT_POLICY = {
+    "instance_types": [
+        {"name": "g5.xlarge", "gpus": 0, "on_demand_price": ON_DEMAND, "spot_price": SPOT}
+    ],
+    "zones": ["us-east-1a"],
+}
+GROUP = ("karpenter.sh", "v1", "nodeclaims")
+
+
+@asynccontextmanager
+async def karpenter_notices(temporal: Client, cluster: ControlPlane) -> AsyncIterator[None]:
+    """The worker's notice watch, as the worker's ServiceAccount."""
+    worker = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(KarpenterNotices(temporal, worker).run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def interrupt(karpenter: Karpenter, claim: str) -> None:
+    """What Karpenter's interruption controller does on a spot notice: delete the claim (its
+    termination controller then drains and terminates the node)."""
+    karpenter.custom.delete_cluster_custom_object(*GROUP, claim)
+
+
+def lose(cluster: ControlPlane, karpenter: Karpenter, claim: str) -> None:
+    """The instance vanishes without a drain: its Node and NodeClaim are gone at once."""
+    core = client.CoreV1Api(cluster.admin)
+    node = karpenter.claims()[claim]["status"]["nodeName"]
+    for patch, delete, args in (
+        (core.patch_node, core.delete_node, (node,)),
+        (
+            karpenter.custom.patch_cluster_custom_object,
+            karpenter.custom.delete_cluster_custom_object,
+            (*GROUP, claim),
+        ),
+    ):
+        patch(*args, {"metadata": {"finalizers": None}})
+        delete(*args)
+
+
+def members(status: JobStatus) -> list[str]:
+    return [n.node_id or "" for n in status.nodes if n.rank is not None]
+
+
+def none_left(karpenter: Karpenter, job: str) -> Callable[[], bool]:
+    return lambda: not karpenter.claims(f"spotrain.io/job={job}")
+
+
+async def until_true(check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.1)
+
+
+async def test_spot_refused_falls_back_to_on_demand_and_returns_to_spot(
+    dev_env: WorkflowEnvironment, cluster: ControlPlane, karpenter: Karpenter, nodes: KarpenterNodes
+) -> None:
+    spec = fast_spec(total_steps=10**6, spot=SPOT_POLICY)
+    spec["elastic"] |= {"min_nodes": 1, "max_nodes": 2}
+    name, queue = spec["name"], uuid.uuid4().hex
+    nodeclaims = provider(cluster, launch_timeout_s=8)  # (Ready takes ~1 s, more when busy)
+    with ThreadPoolExecutor(16) as pool:
+        async with (
+            workflow_worker(
+                dev_env.client,
+                queue,
+                nodeclaims.activities() + fast_runtime().activities(),
+                activity_executor=pool,
+            ),
+            karpenter_notices(dev_env.client, cluster),
+        ):
+            handle = await dev_env.client.start_workflow(
+                "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
+            )
+            on_spot = await wait_status(handle, lambda s: s.world_size == 2, 60)
+            assert {n.lifecycle for n in on_spot.nodes if n.rank is not None} == {"spot"}
+            karpenter.offer_spot(False)  # spot runs out...
+            interrupted = members(on_spot)[1]
+            interrupt(karpenter, interrupted)  # ...and Karpenter's interruption queue says so
+
+            def with_on_demand(s: JobStatus) -> bool:
+                kinds = [n.lifecycle for n in s.nodes if n.rank is not None]
+                return s.world_size == 2 and "on-demand" in kinds
+
+            fallback = await wait_status(handle, with_on_demand, 90)
+            karpenter.offer_spot(True)
+
+            def all_spot(s: JobStatus) -> bool:
+                ready = [n for n in s.nodes if n.state == "ready"]
+                return s.world_size == 2 and all(n.lifecycle == "spot" for n in ready)
+
+            back = await wait_status(handle, all_spot, 90)
+            await handle.cancel()
+            await wait_status(handle, lambda s: s.phase == "Cancelled", 60)
+            await until_true(none_left(karpenter, name), 60)
+    timeline = "\n".join(f"{e.event}: {e.detail}" for e in back.timeline)
+    assert interrupted not in members(fallback), timeline
+    assert f"reclaim notice for {interrupted}" in timeline, timeline  # (through Karpenter)
+    on_demand = next(n for n in fallback.nodes if n.lifecycle == "on-demand" and n.rank is not None)
+    assert "swapped back to spot" in timeline and on_demand.node_id in timeline, timeline
+    assert fallback.generation < back.generation
+    assert back.cost["on-demand"] > 0
+
+
+async def test_a_live_job_on_nodeclaims_through_a_notice_and_a_loss(
+    dev_env: WorkflowEnvironment, cluster: ControlPlane, karpenter: Karpenter, tmp_path: Path
+) -> None:
+    name = f"karp-{uuid.uuid4().hex[:8]}"
+    spec = live_job_spec(name, tmp_path, image="ghcr.io/example/train:1", spot=SPOT_POLICY)
+    core = client.CoreV1Api(cluster.admin)
+    worker_sa = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+    kubelet = LocalKubelet(core, NAMESPACE, tmp_path / "kubelet")
+    with (
+        port_block(PORT_SPAN) as rendezvous,  # every pod here shares this machine's network
+        kubelet.serving(),
+        KarpenterNodes(cluster, kubelet).serving(),
+        ThreadPoolExecutor(16) as pool,
+    ):
+        runtime = KubeRuntime(
+            NAMESPACE, worker_sa, master_port=rendezvous, gang_timeout_s=60, watch_s=1
+        )
+        activities: list[Any] = provider(cluster).activities() + runtime.activities()
+        async with (
+            workflow_worker(dev_env.client, name, activities, activity_executor=pool),
+            karpenter_notices(dev_env.client, cluster),
+        ):
+            handle = await dev_env.client.start_workflow(
+                "TrainingJob", spec, id=name, task_queue=name, result_type=JobResult
+            )
+            status = await wait_status(handle, lambda s: s.world_size == 3 and s.step > 10, 120)
+            first = status.generation
+            noticed = members(status)[-1]
+            interrupt(karpenter, noticed)
+            status = await wait_status(
+                handle, lambda s: s.generation >= first + 2 and s.world_size == 3, 120
+            )
+            grown = status.step
+            status = await wait_status(handle, lambda s: s.step > grown + 10, 60)
+            lost = members(status)[0]
+            lose(cluster, karpenter, lost)
+            result = await asyncio.wait_for(handle.result(), 240)
+        await until_true(none_left(karpenter, name), 60)
+        deadline = time.monotonic() + 60
+        selector = f"spotrain.io/job={name}"
+        while left := core.list_namespaced_pod(NAMESPACE, label_selector=selector).items:
+            assert time.monotonic() < deadline, [p.metadata.name for p in left]
+            await asyncio.sleep(0.2)
+    timeline = [(e.generation, e.event, e.detail) for e in result.timeline]
+    told = "\n".join(map(str, timeline))
+    assert any(f"reclaim notice for {noticed}" in e[2] for e in timeline), told
+    gone = [e[2] for e in timeline if e[1] == "node gone"]
+    assert any(noticed in g for g in gone) and any(lost in g for g in gone), told
+    assert result.steps_done == 1200 and result.steps_lost <= 1, result
+    parked = [e for e in timeline if e[1] == "generation parked (live resize)"]
+    assert parked, told  # the survivors resized live (no restart from a checkpoint)
+    assert kubelet.running == {}
