@@ -92,6 +92,26 @@ def node_class_ref(setting: str) -> dict[str, str]:
     return dict(zip(("group", "kind", "name"), parts, strict=True))
 
 
+def spec_offers(policy: SpotPolicy) -> list[Offer]:
+    """Every (type, zone) spot pool the spec allows, cheapest per GPU first, each type in every
+    zone before the next type (so k offers span k zones); no zones in the spec: one pool per
+    type in any zone, Karpenter's pick. Whether one can serve now is learnt by launching:
+    Karpenter answers no such query. Prices: the spec's spot price, else the cap."""
+    if not policy.enabled:
+        return []
+    offers = []
+    for t in sorted(
+        policy.instance_types, key=lambda t: (t.spot_price or t.on_demand_price) / max(t.gpus, 1)
+    ):
+        cap = policy.max_price or t.on_demand_price
+        price = t.spot_price or cap
+        if price <= cap:
+            offers += [
+                Offer(instance_type=t.name, zone=z, price=price) for z in policy.zones or [""]
+            ]
+    return offers
+
+
 def claim_body(
     req: LaunchRequest, node_class: Mapping[str, str], nodepool: str | None
 ) -> dict[str, Any]:
@@ -234,24 +254,7 @@ class KarpenterProvider:
 
     @activity.defn(name=contract.FIND_OFFERS)
     def find_offers(self, policy: SpotPolicy) -> list[Offer]:
-        """Every (type, zone) spot pool the spec allows, cheapest per GPU first, zones
-        interleaved; no zones in the spec: one pool per type in any zone (Karpenter picks).
-        Whether one can serve now is learnt by launching: Karpenter offers no query."""
-        if not policy.enabled:
-            return []
-        zones = policy.zones or [""]
-        types = sorted(
-            policy.instance_types,
-            key=lambda t: (t.spot_price or t.on_demand_price) / max(t.gpus, 1),
-        )
-        return [
-            Offer(instance_type=t.name, zone=zone, price=price)
-            for zone_rank in range(len(zones))
-            for t in types
-            for zone in [zones[(zone_rank + types.index(t)) % len(zones)]]
-            if (price := t.spot_price or policy.max_price or t.on_demand_price)
-            <= (policy.max_price or t.on_demand_price)
-        ]
+        return spec_offers(policy)
 
     # --- launch ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
@@ -27,7 +28,7 @@ from spotrain.workflows.contract import (
     LaunchRequest,
     ReleaseRequest,
 )
-from tests.kube.k8s_cluster import ControlPlane
+from tests.kube.k8s_cluster import ROOT, ControlPlane
 from tests.kube.karpenter import (
     NODE_CLASS,
     NODEPOOL,
@@ -36,6 +37,7 @@ from tests.kube.karpenter import (
     provider,
 )
 from tests.kube.kube_support import wait_until
+from tests.kube.kubectl import Kubectl, kubectl_binary
 
 
 def launch(job: str, slot: int = 0, **kw: object) -> LaunchRequest:
@@ -70,6 +72,11 @@ def test_a_launch_is_a_nodeclaim_that_karpenter_makes_ready_once(
     assert node.metadata.labels["spotrain.io/node"] == info.node_id
     assert node.metadata.labels["karpenter.sh/capacity-type"] == "spot"
     assert node.metadata.labels["topology.kubernetes.io/zone"] == "us-east-1b"
+
+    # What the EKS guide shows: `kubectl get nodeclaims -l spotrain.io/job=<job>`
+    kubectl = Kubectl(kubectl_binary(cluster), cluster.admin_kubeconfig)
+    listed = kubectl.json("get", "nodeclaims", "-l", "spotrain.io/job=train-a")["items"]
+    assert [c["metadata"]["name"] for c in listed] == [info.node_id]
 
     # The worker killed between the create and the read: the retry finds the same claim.
     assert env.run(p.launch_node, req) == info
@@ -148,3 +155,21 @@ def claim_body_without_protection(req: LaunchRequest) -> dict[str, Any]:
     body["metadata"]["annotations"] = {}
     body["metadata"]["labels"] = {"karpenter.sh/nodepool": NODEPOOL}
     return body
+
+
+def test_the_example_nodepools_are_valid_nodepools(
+    cluster: ControlPlane, karpenter: Karpenter
+) -> None:
+    """infra/k8s/karpenter/nodepools.yaml's NodePools pass the real NodePool CRD's schema and
+    rules (a server-side dry run; its EC2NodeClass needs AWS's CRD, not served here)."""
+    docs = list(yaml.safe_load_all((ROOT / "infra/k8s/karpenter/nodepools.yaml").read_text()))
+    pools = [d for d in docs if d["kind"] == "NodePool"]
+    assert len(pools) == 2 and {d["kind"] for d in docs} == {"NodePool", "EC2NodeClass"}
+    kubectl = Kubectl(kubectl_binary(cluster), cluster.admin_kubeconfig)
+    done = kubectl("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(pools))
+    assert done.stdout.count("(server dry run)") == 2, done.stdout
+    broken = [dict(pools[0], spec=dict(pools[0]["spec"], disruption={"consolidateAfter": "soon"}))]
+    refused = kubectl(
+        "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(broken), check=False
+    )
+    assert refused.returncode != 0 and "consolidateAfter" in refused.stderr
