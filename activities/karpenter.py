@@ -322,6 +322,30 @@ class KarpenterProvider:
         )
         return list(listing.get("items", []))
 
+    def reap(
+        self, is_job_running: Callable[[str], bool], apply: bool = False
+    ) -> dict[str, list[str]]:
+        """`spotrain gc`: the NodeClaims of jobs whose workflow no longer runs, job -> claims;
+        deleted only with `apply`. No NodeClaim CRD (no Karpenter): none."""
+        try:
+            listing = self.api.list_cluster_custom_object(
+                GROUP, VERSION, PLURAL, label_selector=f"{MANAGED}=true"
+            )
+        except ApiException as err:
+            if err.status == 404:
+                return {}
+            raise
+        found: dict[str, list[str]] = {}
+        for claim in listing.get("items", []):
+            labels = claim["metadata"].get("labels") or {}
+            found.setdefault(labels.get(JOB, ""), []).append(claim["metadata"]["name"])
+        orphans = {job: sorted(c) for job, c in sorted(found.items()) if not is_job_running(job)}
+        if apply:
+            for names in orphans.values():
+                for name in names:
+                    absent(self.api.delete_cluster_custom_object, GROUP, VERSION, PLURAL, name)
+        return orphans
+
     @activity.defn(name=contract.DESCRIBE_NODES)
     def describe_nodes(self, req: DescribeRequest) -> list[NodeInfo]:
         """One NodeInfo per asked id, in order: gone when the claim is gone or its node left

@@ -4,6 +4,8 @@ runtime as the `spotrain-worker` ServiceAccount, its requests from the audit log
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -173,3 +175,14 @@ def job_on_kubernetes(
     worker_sa = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
     runtime = KubeRuntime(NS, worker_sa, gang_timeout_s=60, watch_s=1, ack_poll_s=0.1)
     return core, runtime, SimulatedCloud(zones=["us-east-1a"]), LocalKubelet(core, NS, root)
+
+
+def spotrain(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it: its own process, with `env`."""
+    return subprocess.run(
+        [sys.executable, "-m", "spotrain.workers.cli.main", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

@@ -9,13 +9,17 @@ KarpenterNodes posts each new node Ready and lifts its not-ready taint)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from kubernetes import client
 from temporalio.exceptions import ApplicationError
-from temporalio.testing import ActivityEnvironment
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from spotrain.activities.karpenter import (
     claim_body,
@@ -36,7 +40,7 @@ from tests.kube.karpenter import (
     KarpenterNodes,
     provider,
 )
-from tests.kube.kube_support import wait_until
+from tests.kube.kube_support import spotrain, wait_until
 from tests.kube.kubectl import Kubectl, kubectl_binary
 
 
@@ -173,3 +177,40 @@ def test_the_example_nodepools_are_valid_nodepools(
         "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(broken), check=False
     )
     assert refused.returncode != 0 and "consolidateAfter" in refused.stderr
+
+
+async def test_gc_and_release_find_a_jobs_nodeclaims_by_label(
+    cluster: ControlPlane,
+    karpenter: Karpenter,
+    nodes: KarpenterNodes,
+    dev_env: WorkflowEnvironment,
+    moto_endpoint: str,
+    tmp_path: Path,
+) -> None:
+    """`spotrain gc --runtime kubernetes` (a real CLI process, as the worker's ServiceAccount):
+    the claims of a job Temporal does not know are orphans, a running job's are not;
+    `release` deletes the named job's claims and no other's."""
+    p, env = provider(cluster), ActivityEnvironment()
+    for job in ("gone-job", "live-job", "stuck-job"):
+        await asyncio.to_thread(env.run, p.launch_node, launch(job, lifecycle="on-demand"))
+    live = await dev_env.client.start_workflow("TrainingJob", id="live-job", task_queue="nobody")
+    cli = os.environ | {
+        "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
+        "SPOTRAIN_EC2_ENDPOINT": moto_endpoint,
+        "KUBECONFIG": str(cluster.service_account_kubeconfig("spotrain-worker")),
+    }
+    try:
+        argv = ["gc", "--runtime", "kubernetes", "--state-dir", str(tmp_path), "--json"]
+        dry = await asyncio.to_thread(spotrain, *argv, env=cli)
+        assert dry.returncode == 0, dry
+        orphans = json.loads(dry.stdout)["nodeclaims"]
+        assert orphans == {j: [claim_name(j, 0, 0)] for j in ("gone-job", "stuck-job")}
+        assert len(karpenter.claims()) == 3  # a dry run
+        released = await asyncio.to_thread(spotrain, "release", "stuck-job", *argv[1:], env=cli)
+        assert released.returncode == 0, released
+        assert json.loads(released.stdout)["nodeclaims"] == [claim_name("stuck-job", 0, 0)]
+        applied = await asyncio.to_thread(spotrain, *argv, "--apply", env=cli)
+        assert applied.returncode == 0, applied
+        wait_until(lambda: list(karpenter.claims()) == [claim_name("live-job", 0, 0)], 30)
+    finally:
+        await live.terminate()

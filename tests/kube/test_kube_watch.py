@@ -9,7 +9,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from tests.kube.kube_support import (  # noqa: F401 (fixtures)
     rbac_fixture,
     run,
     runtime_fixture,
+    spotrain,
     stop_request,
     wait_until,
     watch_request,
@@ -225,16 +225,6 @@ def cli_env_fixture(
         "SPOTRAIN_K8S_NAMESPACE": NS,
         "KUBECONFIG": str(kube.service_account_kubeconfig("spotrain-worker")),
     }
-
-
-def spotrain(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spotrain.workers.cli.main", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_release_deletes_a_stuck_jobs_pods_and_objects_and_no_others(

@@ -1,6 +1,7 @@
 """`spotrain gc`, `spotrain release` and `spotrain logs`: commands that look past Temporal at
-what jobs leave behind (EC2 instances, local rank processes, checkpoints, and the local
-runtime's rank logs). The provider and runtime they need are imported only when they run.
+what jobs leave behind (EC2 instances, Karpenter NodeClaims, local rank processes,
+checkpoints, and the local runtime's rank logs). The provider and runtime they need are
+imported only when they run.
 """
 
 from __future__ import annotations
@@ -109,9 +110,10 @@ async def cmd_gc(args: argparse.Namespace) -> int:
             )
         ]
         processes = await asyncio.to_thread(local.reap, job_running, args.apply)
-        pods = None
+        pods = claims = None
         if kube is not None:
             pods = await on_kubernetes(kube, kube.reap, job_running, args.apply)
+            claims = await reap_node_claims(kube, job_running, args.apply)
         checkpoints = {
             root: await asyncio.to_thread(reap_checkpoints, root, job_known, args.apply)
             for root in args.checkpoints or []
@@ -130,6 +132,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
                 "orphans": rows,
                 "processes": procs,
                 "pods": jobs_pods,
+                "nodeclaims": claims,
                 "checkpoints": checkpoints,
             }
         )
@@ -142,6 +145,11 @@ async def cmd_gc(args: argparse.Namespace) -> int:
     for job, names in (pods or {}).items():
         what = "released" if args.apply else "orphaned"
         out.print(f"{what} Kubernetes objects of {job}: pods {', '.join(names) or 'none'}")
+    if kube is not None and claims is None:
+        out.print("NodeClaims not checked: this identity may not list them")
+    for job, names in (claims or {}).items():
+        what = "deleted" if args.apply else "orphaned"
+        out.print(f"{what} NodeClaims of {job}: {', '.join(names)}")
     for root, jobs in checkpoints.items():
         what = "deleted" if args.apply else "checkpoints of jobs Temporal no longer knows"
         out.print(f"{root}: {what}: {', '.join(jobs) or 'none'}")
@@ -161,6 +169,25 @@ def kube_runtime(args: argparse.Namespace) -> KubeRuntime | None:
         return KubeRuntime.from_env()
     except ConfigException as e:
         raise CliError(f"Kubernetes: no cluster configured ({e}): set KUBECONFIG", USAGE) from None
+
+
+async def reap_node_claims(
+    kube: KubeRuntime, is_job_running: Callable[[str], bool], apply: bool
+) -> dict[str, list[str]] | None:
+    """The Karpenter provider's NodeClaims of jobs that do not run (deleted with `apply`),
+    through the same cluster connection; None when the identity may not list NodeClaims (a
+    cluster whose worker does not use Karpenter), which the output says."""
+    from kubernetes.client.exceptions import ApiException
+
+    from spotrain.activities.karpenter import KarpenterProvider
+
+    try:
+        reap = KarpenterProvider(kube.core.api_client).reap
+        return await asyncio.to_thread(reap, is_job_running, apply)
+    except ApiException as e:
+        if e.status == 403:
+            return None
+        raise CliError(f"Kubernetes at {kube.core.api_client.configuration.host}: {e}") from None
 
 
 async def on_kubernetes(kube: KubeRuntime, fn: Callable[..., T], *args: Any) -> T:
@@ -224,11 +251,15 @@ async def cmd_release(args: argparse.Namespace) -> int:
     pids = (await asyncio.to_thread(local.reap, lambda job: job != args.name, True)).get(
         args.name, []
     )
-    pods = None if kube is None else await on_kubernetes(kube, kube.release_job, args.name)
+    pods = claims = None
+    if kube is not None:
+        pods = await on_kubernetes(kube, kube.release_job, args.name)
+        found = await reap_node_claims(kube, lambda job: job != args.name, True)
+        claims = None if found is None else found.get(args.name, [])
     rows = instance_rows(released)
     if args.json:
         body = {"job": args.name, "workflow": workflow, "instances": rows, "pids": pids}
-        emit_json(body | {"pods": pods})
+        emit_json(body | {"pods": pods, "nodeclaims": claims})
         return OK
     out.print(f"{args.name}: workflow {workflow}")
     out.print(
@@ -239,6 +270,11 @@ async def cmd_release(args: argparse.Namespace) -> int:
     if kube is not None:
         deleted = ", ".join(pods or [])
         out.print(f"deleted pods: {deleted}" if pods else f"no pods labelled {args.name}")
+        if claims is None:
+            out.print("NodeClaims not checked: this identity may not list them")
+        else:
+            deleted = ", ".join(claims)
+            out.print(f"deleted NodeClaims: {deleted}" if claims else "no NodeClaims of the job")
     return OK
 
 
