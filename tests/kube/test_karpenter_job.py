@@ -8,7 +8,9 @@ karpenter_notices.py) as the only notice path:
 - with real ranks (`resize: live`, the example in every pod): the job grows onto NodeClaims, a
   deleted NodeClaim is a notice the survivors resize through live while a replacement claim
   comes, a node gone without a drain is a loss that costs at most one step, and it completes
-  with no NodeClaim or pod left.
+  with no NodeClaim or pod left;
+- the operator's TrainingJob through kubectl on this provider: applied, scaled, deleted, with
+  no NodeClaim or pod left once the resource is gone.
 
 Stood in for: the kubelet (tests/kube/kube_kubelet.py's LocalKubelet runs each pod's command
 as a local process) and the node lifecycle controller (KarpenterNodes).
@@ -25,6 +27,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
@@ -32,15 +35,22 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
 from spotrain.workers.embedded.stack import port_block
+from spotrain.workers.k8s.operator_status import job_name
 from spotrain.workers.karpenter_notices import KarpenterNotices
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.job.state import JobResult, JobStatus
 from tests.elastic.test_control_channel import wait_status
 from tests.elastic.test_live_resize import live_job_spec
+from tests.elastic.test_local_runtime import WORKER
 from tests.jobs import fast_runtime, fast_spec
 from tests.kube.k8s_cluster import NAMESPACE, ControlPlane
 from tests.kube.karpenter import TYPES, Karpenter, KarpenterNodes, provider
 from tests.kube.kube_kubelet import LocalKubelet
+from tests.kube.kubectl import Kubectl
+from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
+from tests.kube.operator.operator_support import NS, operator, resource, wait_for
+from tests.kube.operator.test_k8s_operator_kube import JOB as OPERATOR_JOB
+from tests.kube.operator.test_k8s_operator_kube import on_deletion, trainingjob
 
 GPUS, SPOT, ON_DEMAND = TYPES["g5.xlarge"]
 SPOT_POLICY = {
@@ -203,4 +213,71 @@ async def test_a_live_job_on_nodeclaims_through_a_notice_and_a_loss(
     assert result.steps_done == 1200 and result.steps_lost <= 1, result
     parked = [e for e in timeline if e[1] == "generation parked (live resize)"]
     assert parked, told  # the survivors resized live (no restart from a checkpoint)
+    assert kubelet.running == {}
+
+
+async def test_kubectl_drives_a_training_job_on_nodeclaims(
+    dev_env: WorkflowEnvironment,
+    cluster: ControlPlane,
+    karpenter: Karpenter,
+    kubectl: Kubectl,
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "worker.py").write_text(WORKER)
+    cluster.ensure_namespace(NS)
+    core = client.CoreV1Api(cluster.admin)
+    worker_sa = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+    runtime = KubeRuntime(NAMESPACE, worker_sa, gang_timeout_s=60, watch_s=1, ack_poll_s=0.1)
+    kubelet = LocalKubelet(core, NAMESPACE, tmp_path / "kubelet")
+    queue = uuid.uuid4().hex
+    with (
+        operator(cluster, kubectl, dev_env.client, queue, tmp_path) as op,
+        kubelet.serving(),
+        KarpenterNodes(cluster, kubelet).serving(),
+        ThreadPoolExecutor(16) as pool,
+    ):
+        activities = provider(cluster).activities() + runtime.activities()
+        async with (
+            workflow_worker(dev_env.client, queue, activities, activity_executor=pool),
+            karpenter_notices(dev_env.client, cluster),
+        ):
+            with op.running():
+                body = trainingjob(tmp_path, 2)
+                body["spec"]["spot"] = SPOT_POLICY
+                kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(body))
+                uid = resource(kubectl, OPERATOR_JOB)["metadata"]["uid"]
+                job = job_name(OPERATOR_JOB, uid)
+                selector = f"spotrain.io/managed=true,spotrain.io/job={job}"
+
+                def running(size: int) -> list[str] | None:
+                    """The job's NodeClaims once `size` rank pods run, one on each."""
+                    found = kubectl.json("get", "pods", "-n", NAMESPACE, "-l", selector)["items"]
+                    up = [p for p in found if p["status"].get("phase") == "Running"]
+                    claims = karpenter.claims(f"spotrain.io/job={job}")
+                    nodes = {c.get("status", {}).get("nodeName") for c in claims.values()}
+                    if len(up) != size or len(claims) != size:
+                        return None
+                    return sorted(claims) if {p["spec"]["nodeName"] for p in up} == nodes else None
+
+                await wait_for(lambda: running(2), "2 ranks on 2 NodeClaims", 120)
+                kubectl("scale", "-n", NS, f"trainingjob/{OPERATOR_JOB}", "--replicas=3")
+                await wait_for(lambda: running(3), "3 ranks on 3 NodeClaims", 120)
+
+                def leftovers() -> dict[str, list[str]]:
+                    pods = core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+                    live = {
+                        name
+                        for name, c in karpenter.claims(f"spotrain.io/job={job}").items()
+                        if not c["metadata"].get("deletionTimestamp")
+                    }
+                    return {"pods": [p.metadata.name for p in pods], "claims": sorted(live)}
+
+                version = resource(kubectl, OPERATOR_JOB)["metadata"]["resourceVersion"]
+                with ThreadPoolExecutor(1) as one:
+                    gone = one.submit(on_deletion, cluster.admin, OPERATOR_JOB, version, leftovers)
+                    kubectl("delete", "-n", NS, f"trainingjob/{OPERATOR_JOB}", "--wait=false")
+                    left = await asyncio.wait_for(asyncio.wrap_future(gone), 120)
+                # every claim released by then; Karpenter finishes terminating them
+                assert left == {"pods": [], "claims": []}
+                await until_true(none_left(karpenter, job), 60)
     assert kubelet.running == {}
