@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
-from bench import checkpoint, goodput, goodput_harness, live_resize, reaction, scale
+from bench import checkpoint, goodput, goodput_harness, karpenter, live_resize, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
 from tests.kube.k8s_cluster import control_plane_or_skip
 
@@ -159,6 +159,23 @@ def test_reaction_benchmark_with_real_processes(tmp_path: Path) -> None:
     assert overhead["n"] == 4  # each reclaim: shrink, then grow back onto the replacement
     assert overhead["median"] < 30_000
     assert json.loads((tmp_path / "reaction.json").read_text())["setup"]["reclaims"] == 2
+
+
+def test_karpenter_benchmark_beside_the_webhook_and_ec2(tmp_path: Path) -> None:
+    control_plane_or_skip()
+    control_plane_or_skip("karpenter")
+    report = karpenter.main(["--reclaims", "1", "--launches", "1", "--out", str(tmp_path)])
+    rows = {r["metric"]: r for r in report["rows"]}
+    for path in ("karpenter", "webhook"):
+        assert rows[f"notice_to_ranks_{path}_ms"]["n"] == 1
+        assert (
+            0
+            < rows[f"notice_to_ranks_{path}_ms"]["median"]
+            < rows[f"reclaim_cycle_{path}_ms"]["median"]
+        )
+    assert rows["reclaim_cycle_ec2_ms"]["n"] == 1
+    assert rows["launch_to_ready_karpenter_ms"]["n"] == rows["launch_to_ready_ec2_ms"]["n"] == 1
+    assert json.loads((tmp_path / "karpenter.json").read_text())["setup"]["reclaims"] == 1
 
 
 @pytest.mark.parametrize("runtime", ["local", "kubernetes"])

@@ -46,6 +46,7 @@ def karpenter_fixture(
 ) -> Iterator[Karpenter]:
     """Its CRDs, NodeClass and NodePool stay installed for later modules; its process goes.
     The worker's grant is applied as docs/guides/eks.md says."""
+    control_plane_or_skip("karpenter")
     controller = Karpenter(control_plane, tmp_path_factory.mktemp("karpenter"))
     controller.install()
     kubectl = Kubectl(kubectl_binary(control_plane), control_plane.admin_kubeconfig)

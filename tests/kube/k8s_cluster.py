@@ -639,10 +639,10 @@ def _gone(delete: Any, *args: Any, **kwargs: Any) -> None:
             raise
 
 
-def control_plane_or_skip() -> Path:
+def control_plane_or_skip(component: str = "controlplane") -> Path:
     """The binaries' directory; without them skip, except in CI (CI=true), where it fails."""
     try:
-        return binaries()
+        return binaries(component=component)
     except MissingBinaries as err:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must test against the real control plane: {err}")
