@@ -11,7 +11,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SCRIPTS = ("goodput", "live_resize", "handover", "checkpoint", "reaction", "scale", "webhook_burst")
+SCRIPTS = (
+    "goodput",
+    "live_resize",
+    "handover",
+    "checkpoint",
+    "reaction",
+    "karpenter",
+    "scale",
+    "webhook_burst",
+)
 WRITTEN_BY = {"goodput_wedge_check": "wedge_check"}  # files named for what they check
 
 
