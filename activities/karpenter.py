@@ -35,7 +35,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -67,6 +67,7 @@ GPU = "nvidia.com/gpu"
 DEFAULT_NODE_CLASS = "karpenter.k8s.aws/EC2NodeClass/default"
 TRAINING_TAINT = {"key": "spotrain.io/lifecycle", "value": "training", "effect": "NoSchedule"}
 POLL_S = 0.1
+NodeState = Literal["requested", "ready", "gone"]
 NAME_MAX = 63  # the claim's name is also its node's spotrain.io/node label value
 
 
@@ -157,7 +158,8 @@ def condition(claim: Mapping[str, Any], kind: str) -> dict[str, Any]:
     return {}
 
 
-def node_info(claim: Mapping[str, Any], state: str, reason: str | None = None) -> NodeInfo:
+def node_info(claim: Mapping[str, Any], state: NodeState, reason: str | None = None) -> NodeInfo:
+    """The node as the workflow books it: what Karpenter launched, else what was asked."""
     meta = claim["metadata"]
     labels = meta.get("labels") or {}
     want = {r["key"]: r.get("values", []) for r in claim.get("spec", {}).get("requirements", [])}
@@ -172,13 +174,13 @@ def node_info(claim: Mapping[str, Any], state: str, reason: str | None = None) -
         lifecycle=lifecycle,
         instance_type=resolved(INSTANCE_TYPE),
         zone=resolved(ZONE),
-        state=state,  # type: ignore[arg-type]
+        state=state,
         reason=reason,
         address=claim.get("status", {}).get("nodeName") or meta["name"],
     )
 
 
-def claim_state(claim: Mapping[str, Any]) -> tuple[str, str | None]:
+def claim_state(claim: Mapping[str, Any]) -> tuple[NodeState, str | None]:
     """ready, requested or gone (with why) as a node provider reports it. A claim being deleted
     still trains until its node goes: its notice (workers/karpenter_notices.py) drives the
     checkpoint, not this."""
@@ -196,15 +198,15 @@ def claim_state(claim: Mapping[str, Any]) -> tuple[str, str | None]:
 
 @contextmanager
 def _typed_errors() -> Iterator[None]:
-    """Forbidden and invalid requests cannot pass on a retry: CONFIG_ERROR; the rest retry."""
+    """Requests a retry cannot fix are CONFIG_ERROR: forbidden (RBAC), invalid, or no NodeClaim
+    API at all (a 404 from a create or a list: Karpenter is not installed); the rest retry."""
     try:
         yield
     except ApiException as err:
-        if err.status in (401, 403, 422) or (
-            err.status == 404 and "the server could not" in str(err.body)
-        ):
+        if err.status in (401, 403, 404, 422):
+            hint = " (no NodeClaim API: is Karpenter installed?)" if err.status == 404 else ""
             raise ApplicationError(
-                f"Kubernetes refused the NodeClaim request ({err.status}): {err.reason}: "
+                f"Kubernetes refused the NodeClaim request ({err.status} {err.reason}){hint}: "
                 f"{(err.body or '')[:500]}",
                 type=contract.CONFIG_ERROR,
                 non_retryable=True,
