@@ -393,6 +393,8 @@ def test_hostile_yaml_is_refused_in_one_line(
     [
         ("big.yaml", b"# " + b"x" * (1 << 20), "larger than 1,024 KiB"),
         ("binary.yaml", b"name: \xff\xfe", "not UTF-8 text (byte 6)"),
+        ("nul.yaml", b"name: a\x00b\n", "not valid YAML: unacceptable character #x0000"),
+        ("utf16.yaml", "name: a\n".encode("utf-16"), "not UTF-8 text (byte 0)"),
         ("deep.json", b'{"a": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", "nested deeper than 32"),
         ("deep40.json", b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}", "nested deeper than 32"),
         ("dup.json", b'{"name": "a", "name": "b"}', "duplicate key 'name'"),

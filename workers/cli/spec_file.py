@@ -138,8 +138,9 @@ def load_data(path: Path) -> Any:
         if problem := shape_problem(data):
             raise SpecFileError(problem)
         return data
-    loader = BoundedLoader(text)
-    try:
+    loader = None
+    try:  # (the loader checks every character as it is made: a NUL byte fails there)
+        loader = BoundedLoader(text)
         return loader.get_single_data()
     except yaml.MarkedYAMLError as e:
         problem = " ".join(x for x in (e.context, e.problem) if x) or "unreadable"
@@ -147,4 +148,5 @@ def load_data(path: Path) -> Any:
     except yaml.YAMLError as e:
         raise SpecFileError(f"not valid YAML: {' '.join(str(e).split())}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
