@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?$"
 
 MAX_DURATION_S = 30 * 86_400  # timeouts, grace periods, deadlines, slack: 30 days
+LATEST_DEADLINE = datetime(2100, 1, 1, tzinfo=UTC)  # a fixed bound: specs parse in workflows
 MIN_INTERVAL_S = 0.1  # the workflow's shortest timer: a shorter interval only spins it
 MAX_INTERVAL_S = 86_400  # progress reports and capacity checks: at least daily
 MAX_NODES = 1_000  # ordering 1,000 nodes takes ~0.2 s of a workflow task (quadratic)
@@ -334,6 +335,8 @@ class DeadlinePolicy(Strict):
             raise ValueError("give exactly one of at (a time) or max_duration_s")
         if self.at is not None and self.at.tzinfo is None:
             raise ValueError(f"at {self.at.isoformat()} needs a time zone, e.g. 'Z' or '+00:00'")
+        if self.at is not None and self.at >= LATEST_DEADLINE:  # (year 9999 overflows sums)
+            raise ValueError(f"at {self.at.isoformat()} is not before {LATEST_DEADLINE:%Y-%m-%d}")
         return self
 
 

@@ -153,6 +153,11 @@ def test_each_number_of_the_issue_is_refused_naming_field_and_bound(
     assert f"{field}: " in text and bound in text, text
 
 
+def test_a_deadline_in_the_year_9999_is_refused() -> None:
+    text = refusal(job_spec(deadline={"at": "9999-12-31T23:59:59Z"}))
+    assert "deadline: " in text and "is not before 2100-01-01" in text, text
+
+
 def test_gpus_that_pack_onto_too_many_nodes_are_refused_without_packing() -> None:
     one_gpu = [{"name": "g", "gpus": 1, "on_demand_price": 1.0}]
     spec = job_spec(total_gpus=64_000, spot={"instance_types": one_gpu})
