@@ -149,6 +149,22 @@ async def test_a_request_head_sent_slowly_is_cut_off(hook: Webhook) -> None:
     assert closed_after is not None and closed_after < 4, closed_after
 
 
+@pytest.mark.parametrize("path", [RECLAIMS, "/v1/events/aws", "/v1/events/kubernetes"])
+async def test_a_body_that_does_not_decode_is_400_before_authentication(
+    hook: Webhook, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    """A `Content-Encoding: gzip` body that is not gzip: the sender's fault, so a 400 (no 500
+    and traceback), and no credentials needed to learn it."""
+    body = b"not gzip at all"
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    answer = await raw(hook, request)
+    assert status_of(answer) == 400 and b"Content-Encoding" in answer, answer[:300]
+    assert "Traceback" not in caplog.text
+
+
 async def test_a_silent_connection_is_closed(hook: Webhook) -> None:
     started = time.monotonic()
     assert await raw(hook, b"", read_for_s=10) == b""

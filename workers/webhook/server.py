@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 import boto3
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import Client
 from temporalio.service import RPCError
@@ -397,6 +398,9 @@ class WebhookService:
             response = _error(408, "request body not received in time")
             response.force_close()
             return response
+        except RequestPayloadError:  # (a Content-Encoding the body is not in): the sender's fault
+            log_event(logging.INFO, "body_undecodable", path=request.path)
+            return _error(400, "request body could not be decoded (check Content-Encoding)")
         auth = self.config.auth
         trusted = check_headers(auth, request.method, request.raw_path, request.headers, body)
         if trusted == "hmac-legacy":
