@@ -26,6 +26,7 @@ import aiohttp
 import pytest
 import yaml
 from cryptography.hazmat.primitives.asymmetric import rsa
+from kubernetes import client as kube_client
 from openapi_spec_validator import validate
 from temporalio.api.workflowservice.v1 import ListWorkflowExecutionsRequest
 from temporalio.client import Client, WorkflowHandle
@@ -151,6 +152,22 @@ async def test_kubernetes_node_names_resolve_to_instances(
     await eventually(lambda: _has(job, 1))
     (signal,) = await received(job)
     assert (signal["node_id"], signal["event_id"]) == ("i-0ddd1", "k-9")
+
+
+async def test_a_kubernetes_api_that_does_not_answer_a_node_lookup_is_a_503(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    """SPOTRAIN_WEBHOOK_KUBE_NODES with the Kubernetes API down (a closed port): the node-name
+    notice is a 503 with Retry-After, as a Temporal outage is, so the sender retries and the
+    notice is not lost (it was a 500). An API that answers with an error is the same (the
+    lookup's ApiException other than 404)."""
+    down = kube_client.ApiClient(kube_client.Configuration(host="http://127.0.0.1:9"))
+    async with running_webhook(dev_env.client, NodeNames(down)) as webhook:
+        notice = {"event_id": "k-1", "kind": "SPOT_ITN", "node_name": "ip-10-0-9-9.ec2.internal"}
+        assert await webhook.post("/v1/events/kubernetes", notice) == (
+            503,
+            {"error": "kubernetes unavailable"},
+        )
 
 
 async def test_unknown_instances_and_kinds_are_acknowledged(hook: Webhook) -> None:

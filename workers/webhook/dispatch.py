@@ -46,6 +46,7 @@ from temporalio.api.workflowservice.v1 import (
 from temporalio.client import Client
 from temporalio.converter import decode_typed_search_attributes
 from temporalio.service import RPCError, RPCStatusCode
+from urllib3.exceptions import HTTPError
 
 from spotrain.activities import kube_api
 from spotrain.workers.webhook.events import Ignored, Outcome, outcome_kind
@@ -70,8 +71,22 @@ def log_event(level: int, event: str, **fields: Any) -> None:
     log.log(level, json.dumps({"event": event, **fields}, default=str))
 
 
-class TemporalUnavailable(Exception):
-    """Temporal did not accept the lookup or the signal: the sender must retry."""
+class Unavailable(Exception):
+    """Something the delivery needs did not answer: the sender must retry (503)."""
+
+    what = "unavailable"
+
+
+class TemporalUnavailable(Unavailable):
+    """Temporal did not accept the lookup or the signal."""
+
+    what = "temporal unavailable"
+
+
+class KubernetesUnavailable(Unavailable):
+    """The Kubernetes API did not answer a node-name lookup (unreachable, refusing)."""
+
+    what = "kubernetes unavailable"
 
 
 class NodeNames:
@@ -90,7 +105,11 @@ class NodeNames:
             except ApiException as err:
                 if err.status == 404:
                     return None
-                raise
+                log_event(logging.WARNING, "kubernetes_unavailable", status=err.status, node=name)
+                raise KubernetesUnavailable(f"{err.status} {err.reason}") from None
+            except (OSError, HTTPError) as err:  # unreachable, refused, timed out
+                log_event(logging.WARNING, "kubernetes_unavailable", error=type(err).__name__)
+                raise KubernetesUnavailable(type(err).__name__) from None
             found = kube_api.instance_id(node)
             if found is None:
                 return None

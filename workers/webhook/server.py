@@ -46,7 +46,7 @@ from spotrain.workers.webhook.auth import (
 from spotrain.workers.webhook.dispatch import (
     Dispatcher,
     NodeNames,
-    TemporalUnavailable,
+    Unavailable,
     log_event,
 )
 from spotrain.workers.webhook.events import (
@@ -234,7 +234,7 @@ class SqsPoller:
         try:
             for outcome in outcomes:
                 await self._dispatcher.deliver(outcome, "sqs", started)
-        except TemporalUnavailable:
+        except Unavailable:
             return False
         return True
 
@@ -432,8 +432,8 @@ class WebhookService:
         try:
             for outcome in outcomes:
                 workflow_ids.update(await self.dispatcher.deliver(outcome, source, started))
-        except TemporalUnavailable as e:
-            return _unavailable("temporal unavailable", str(e))
+        except Unavailable as e:
+            return _unavailable(e.what, str(e))
         if all(isinstance(o, Ignored) for o in outcomes):
             reason = "; ".join(o.reason for o in outcomes if isinstance(o, Ignored))
             return web.json_response({"status": "ignored", "reason": reason}, status=202)
