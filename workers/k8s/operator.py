@@ -40,6 +40,7 @@ from spotrain.workers.k8s.operator_status import (
     ScaleStatus,
     event_plan,
     job_input,
+    job_name,
     mirror,
     scale_request,
     workflow_id,
@@ -340,8 +341,8 @@ class Operator:
         body = {
             "metadata": {
                 "name": name,
-                "labels": {
-                    "spotrain.io/job": meta["name"],
+                "labels": {  # (the job's name as its pods carry it: a label of <= 50)
+                    "spotrain.io/job": job_name(meta["name"], meta["uid"]),
                     "app.kubernetes.io/managed-by": "spotrain-operator",
                 },
             },
