@@ -126,8 +126,11 @@ class Operator:
             await self._finalize(job, handle)
             return
         status = job.get("status") or {}
-        if status.get("phase") == "Invalid":
-            return
+        if (
+            status.get("phase") == "Invalid"
+            and status.get("observedGeneration") == meta["generation"]
+        ):
+            return  # refused as it is; an edit of the spec (a new generation) is read again
         if FINALIZER not in meta.get("finalizers", []):
             await self._patch(
                 job, {"metadata": {"finalizers": [*meta.get("finalizers", []), FINALIZER]}}
@@ -138,7 +141,8 @@ class Operator:
         try:
             parse_spec(spec)
         except SpecError as err:
-            await self._status(job, {"phase": "Invalid", "message": str(err), "workflowId": None})
+            invalid = {"phase": "Invalid", "message": str(err), "workflowId": None}
+            await self._status(job, invalid | {"observedGeneration": meta["generation"]})
             return
         try:
             await self.temporal.start_workflow(
@@ -153,6 +157,8 @@ class Operator:
             crash_point("workflow-started")
         except WorkflowAlreadyStartedError:
             pass
+        if status.get("phase") == "Invalid":  # fixed: no longer what the resource shows
+            await self._status(job, {"phase": "Pending", "message": None, "workflowId": wid})
         try:
             s = await handle.query("status", result_type=JobStatus, rpc_timeout=QUERY_TIMEOUT)
         except RPCError as err:  # no worker has run it yet

@@ -143,24 +143,3 @@ def test_scale_requests_validated(kubectl: Kubectl, ns: str, tmp_path: Path) -> 
     out["spec"]["count"] = 2
     code, said = apply(kubectl, ns, out)
     assert code != 0 and "a scale request is immutable" in said, said
-
-
-async def test_a_trainingjob_with_a_long_name_gets_its_events(
-    control_plane: ControlPlane, kubectl: Kubectl, ns: str
-) -> None:
-    """A 70-character name (the apiserver allows 253): its Events carry the job's label as its
-    pods do (a DNS label of at most 50), so none fails the 63-character label limit (every
-    Event post failed, and the finalizer waited on them: the job could not be deleted)."""
-    from spotrain.workers.k8s.operator import Operator
-    from spotrain.workers.k8s.operator_status import job_name
-
-    name = "a" * 70
-    assert apply(kubectl, ns, example(name))[0] == 0
-    job = kubectl.json("get", "-n", ns, f"trainingjob/{name}")
-    kubectl("apply", "-f", str(ROOT / "infra/k8s/operator-rbac.yaml"))
-    as_operator = control_plane.service_account_kubeconfig("spotrain-operator")
-    op = Operator(ControlPlane.api_client(as_operator), None, "unused")  # type: ignore[arg-type]
-    await op._event(job, "Normal", "Submitted", "the workflow started", "submitted")
-    events = kubectl.json("get", "events", "-n", ns, f"--field-selector=involvedObject.name={name}")
-    (event,) = events["items"]
-    assert event["metadata"]["labels"]["spotrain.io/job"] == job_name(name, job["metadata"]["uid"])
