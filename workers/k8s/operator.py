@@ -277,8 +277,12 @@ class Operator:
                 why = cause.message if isinstance(cause, ApplicationError) else str(cause)
                 outcome = ScaleStatus(phase="Failed", message=why)
             except RPCError as err:
-                log.warning("%s %s/%s: %s", kind, ns, meta["name"], err.message)
-                return  # the next pass retries under the same update id
+                if err.status != RPCStatusCode.NOT_FOUND:
+                    log.warning("%s %s/%s: %s", kind, ns, meta["name"], err.message)
+                    return  # the next pass retries under the same update id
+                # never started, or ended: nothing will ever take the request
+                why = f"no workflow runs TrainingJob {spec['trainingJob']!r}: {err.message}"
+                outcome = ScaleStatus(phase="Failed", message=why)
         await self._patch_status(plural, ns, meta["name"], outcome)
 
     # --- the API calls -----------------------------------------------------------------------

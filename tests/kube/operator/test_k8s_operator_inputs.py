@@ -4,6 +4,7 @@ fixed. No worker runs: the workflow is started, not driven."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 
@@ -78,3 +79,26 @@ async def test_an_invalid_trainingjob_is_read_again_once_its_spec_is_fixed(
         assert job["status"]["phase"] == "Pending", job["status"]
     finally:
         await handle.terminate()
+
+
+async def test_a_scale_request_for_a_job_whose_workflow_is_gone_fails_once(
+    control_plane: ControlPlane, kubectl: Kubectl, ns: str, dev_env: WorkflowEnvironment
+) -> None:
+    """A ScaleOut for a TrainingJob whose workflow does not exist (never started, or ended and
+    gone): Failed, saying so, instead of Pending for ever with a Temporal call per resync."""
+    op = as_operator(control_plane, kubectl, dev_env.client)
+    assert apply(kubectl, ns, example("no-workflow"))[0] == 0
+    out = {
+        "apiVersion": "spotrain.io/v1alpha1",
+        "kind": "ScaleOut",
+        "metadata": {"name": "more"},
+        "spec": {"trainingJob": "no-workflow", "count": 1},
+    }
+    assert apply(kubectl, ns, out)[0] == 0
+    for kind in ("ScaleIn", "ScaleOut"):
+        for req in op._list(f"{kind.lower()}s")["items"]:
+            if req["metadata"]["namespace"] == ns:
+                op._start_request(kind, req)
+    await asyncio.gather(*op.requests.values())
+    status = kubectl.json("get", "-n", ns, "scaleout/more")["status"]
+    assert status["phase"] == "Failed" and "no workflow" in status["message"], status
