@@ -54,7 +54,11 @@ def test_only_submitters_may_submit(control_plane: ControlPlane, kubectl: Kubect
 
 
 def can(kubectl: Kubectl, who: str, verb: str, what: str, ns: str = "team-x") -> bool:
-    done = kubectl("auth", "can-i", verb, what, f"--as={who}", "-n", ns, check=False)
+    """`kubectl auth can-i`; `what` may name a subresource ("trainingjobs.spotrain.io/status"),
+    passed as --subresource (can-i reads "kind/x" as the object named x)."""
+    kind, _, sub = what.partition("/")
+    extra = [f"--subresource={sub}"] if sub else []
+    done = kubectl("auth", "can-i", verb, kind, *extra, f"--as={who}", "-n", ns, check=False)
     return done.stdout.strip() == "yes"
 
 
@@ -78,6 +82,8 @@ def test_kustomize_base_deploys_with_least_privilege(kubectl: Kubectl) -> None:
     for verb, what in [
         ("create", "trainingjobs.spotrain.io"),
         ("delete", "trainingjobs.spotrain.io"),
+        ("patch", "scaleouts.spotrain.io"),  # (its status only)
+        ("watch", "scaleins.spotrain.io"),
         ("create", "pods"),
         ("get", "secrets"),
         ("update", "customresourcedefinitions.apiextensions.k8s.io"),
