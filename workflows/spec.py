@@ -298,6 +298,18 @@ class ElasticPolicy(Strict):
                 f"initial_nodes ({self.initial_nodes}) outside [min_nodes, max_nodes] = "
                 f"[{self.min_nodes}, {self.max_nodes}]"
             )
+        if self.initial_nodes is not None:  # (else the job aims at a size it never runs at)
+            step = self.increment_step or 1
+            if self.discrete_sizes is not None and self.initial_nodes not in self.discrete_sizes:
+                sizes = ", ".join(map(str, sorted(set(self.discrete_sizes))))
+                raise ValueError(
+                    f"initial_nodes ({self.initial_nodes}) is not one of discrete_sizes ({sizes})"
+                )
+            if (self.initial_nodes - self.min_nodes) % step:
+                raise ValueError(
+                    f"initial_nodes ({self.initial_nodes}) is not min_nodes + k * increment_step "
+                    f"({self.min_nodes} + k * {step})"
+                )
         return self
 
     @property

@@ -153,6 +153,19 @@ def test_each_number_of_the_issue_is_refused_naming_field_and_bound(
     assert f"{field}: " in text and bound in text, text
 
 
+@pytest.mark.parametrize(
+    ("elastic", "said"),
+    [
+        ({"initial_nodes": 3, "discrete_sizes": [2, 4]}, "is not one of discrete_sizes (2, 4)"),
+        ({"initial_nodes": 3, "increment_step": 2}, "is not min_nodes + k * increment_step (2 + k"),
+    ],
+)
+def test_a_first_size_the_job_may_not_run_at_is_refused(elastic: dict[str, Any], said: str) -> None:
+    """`replicas: 3` with `discrete_sizes: [2, 4]` trained on 2 while aiming at 3."""
+    text = refusal(job_spec(elastic={"min_nodes": 2, "max_nodes": 4, **elastic}))
+    assert "elastic: " in text and said in text, text
+
+
 def test_a_deadline_in_the_year_9999_is_refused() -> None:
     text = refusal(job_spec(deadline={"at": "9999-12-31T23:59:59Z"}))
     assert "deadline: " in text and "is not before 2100-01-01" in text, text

@@ -122,6 +122,12 @@ def _spec_rules() -> list[dict[str, str]]:
             "fieldPath": ".replicas",
         },
         {
+            "rule": "!has(self.replicas) || !has(self.elastic) || "
+            "!has(self.elastic.discrete_sizes) || self.replicas in self.elastic.discrete_sizes",
+            "message": "replicas must be one of elastic.discrete_sizes",
+            "fieldPath": ".replicas",
+        },
+        {
             "rule": "!has(self.gpus_per_node) || !has(self.total_gpus)",
             "message": "set gpus_per_node or total_gpus, not both",
             "fieldPath": ".total_gpus",

@@ -85,6 +85,7 @@ def test_valid_stored_and_printed_with_columns(kubectl: Kubectl, ns: str) -> Non
         ({"initial_nodes": 9}, "spec.elastic.initial_nodes"),
         ({"reclaim_policy": "keep"}, 'spec.elastic.reclaim_policy: Unsupported value: "keep"'),
         ({"max_nodes": 2}, "spec.replicas: Invalid value"),  # replicas 3 > max 2
+        ({"discrete_sizes": [2, 4]}, "replicas must be one of elastic.discrete_sizes"),
         ({"min_nodes_typo": 1}, 'unknown field "spec.elastic.min_nodes_typo"'),
     ],
 )
