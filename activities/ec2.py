@@ -463,29 +463,14 @@ class EC2Provider:
 
     @activity.defn(name=contract.DESCRIBE_NODES)
     def describe_nodes(self, req: DescribeRequest) -> list[NodeInfo]:
-        """One NodeInfo per asked id, in order; an id EC2 does not list for this job is gone
-        ("not-found", with placeholder slot/type/zone). Empty `node_ids`: every instance
-        tagged with the job, so the workflow can find nodes a failed launch left behind.
+        """One NodeInfo per asked id (DescribeRequest.answer): an id EC2 does not list as
+        tagged with the job is gone.
 
         API errors raise (and are retried): a flapping API never makes a node look gone.
         """
         with _typed_errors():
             found = {i["InstanceId"]: _node(i) for _, i in self._job_instances(req)}
-        if not req.node_ids:
-            return list(found.values())
-        return [
-            found.get(node_id)
-            or NodeInfo(
-                node_id=node_id,
-                slot=-1,
-                lifecycle="on-demand",
-                instance_type="unknown",
-                zone="unknown",
-                state="gone",
-                reason="not-found",
-            )
-            for node_id in req.node_ids
-        ]
+        return req.answer(found)
 
     @activity.defn(name=contract.RELEASE_NODES)
     def release_nodes(self, req: ReleaseRequest) -> list[str]:

@@ -353,7 +353,7 @@ class KarpenterProvider:
         """One NodeInfo per asked id, in order: gone when the claim is gone or its node left
         the cluster. Empty `node_ids`: every claim of the job (what a failed launch left)."""
         with _typed_errors():
-            found = {}
+            found: dict[str, NodeInfo] = {}
             nodes = {n.metadata.name for n in self.core.list_node().items}
             for claim in self.job_claims(req.job):
                 state, reason = claim_state(claim)
@@ -361,21 +361,7 @@ class KarpenterProvider:
                 if state == "ready" and node not in nodes:
                     state, reason = "gone", f"node {node} left the cluster"
                 found[claim["metadata"]["name"]] = node_info(claim, state, reason)
-        if not req.node_ids:
-            return list(found.values())
-        return [
-            found.get(node_id)
-            or NodeInfo(
-                node_id=node_id,
-                slot=-1,
-                lifecycle="on-demand",
-                instance_type="unknown",
-                zone="unknown",
-                state="gone",
-                reason="not-found",
-            )
-            for node_id in req.node_ids
-        ]
+        return req.answer(found)
 
     @activity.defn(name=contract.RELEASE_NODES)
     def release_nodes(self, req: ReleaseRequest) -> list[str]:

@@ -227,7 +227,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for metric, values in samples.items()
     ]
     setup = {k: getattr(args, k) for k in ("reclaims", "nodes", "launches")}
-    setup["load"] = os.environ.get("SPOTRAIN_BENCH_LOAD", "not stated")
+    setup |= {
+        "model": "none: each rank steps a 10 ms loop (bench/reaction.py's script), 1 per node",
+        "load": os.environ.get("SPOTRAIN_BENCH_LOAD", "not stated"),
+        "cpus": os.cpu_count(),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
     report = {"setup": setup, "rows": rows, "samples_s": samples}
     publish(report, rows, COLUMNS, args.out / "karpenter.json")
     return report

@@ -179,6 +179,26 @@ class DescribeRequest(Regional):
     job: str
     node_ids: list[str]
 
+    def answer(self, found: dict[str, NodeInfo]) -> list[NodeInfo]:
+        """A provider's reply from the nodes it found for the job (by id): one per asked id,
+        in order, an id it does not list being gone ("not-found", placeholder slot, type and
+        zone); no ids asked: every node found (what a failed launch left behind)."""
+        if not self.node_ids:
+            return list(found.values())
+        return [
+            found.get(node_id)
+            or NodeInfo(
+                node_id=node_id,
+                slot=-1,
+                lifecycle="on-demand",
+                instance_type="unknown",
+                zone="unknown",
+                state="gone",
+                reason="not-found",
+            )
+            for node_id in self.node_ids
+        ]
+
 
 class ReleaseRequest(Regional):
     job: str

@@ -1,7 +1,7 @@
 """The Kubernetes tests' control plane: one per test process, started by the first test that
 needs it and stopped at the end of the run; each test module leaves it as it found it
-(spotrain's objects, nodes and custom resources removed), so a module sees no other's. A module
-that asks for `karpenter` gets a Karpenter controller on it for the module's tests."""
+(spotrain's objects, nodes and custom resources removed), so a module sees no other's. A test
+that asks for `karpenter` gets a Karpenter controller on it (one per test process too)."""
 
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def cluster_fixture(control_plane: ControlPlane) -> Iterator[ControlPlane]:
     control_plane.reset()
 
 
-@pytest.fixture(scope="module", name="karpenter")
+@pytest.fixture(scope="session", name="karpenter")
 def karpenter_fixture(
     control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Karpenter]:
-    """Its CRDs, NodeClass and NodePool stay installed for later modules; its process goes.
-    The worker's grant is applied as docs/guides/eks.md says."""
+    """One controller per test process, as the control plane (each module's reset removes
+    the NodeClaims it left). The worker's grant is applied as docs/guides/eks.md says."""
     control_plane_or_skip("karpenter")
     controller = Karpenter(control_plane, tmp_path_factory.mktemp("karpenter"))
     controller.install()

@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ from kubernetes import client, utils
 
 from spotrain.activities.karpenter import KarpenterProvider
 from tests.kube.k8s_cluster import ROOT, ControlPlane, _killed_with_parent, binaries
-from tests.kube.kube_kubelet import LocalKubelet
+from tests.kube.kube_kubelet import LocalKubelet, syncing
 
 NODE_CLASS = "karpenter.kwok.sh/KWOKNodeClass/default"
 NODEPOOL = "training"
@@ -191,25 +190,11 @@ class KarpenterNodes:
     def __init__(self, plane: ControlPlane, kubelet: LocalKubelet | None = None) -> None:
         self.core = client.CoreV1Api(plane.admin)
         self.kubelet = kubelet
-        self._stop = threading.Event()
 
     @contextmanager
     def serving(self) -> Iterator[KarpenterNodes]:
-        thread = threading.Thread(target=self._loop, daemon=True)
-        thread.start()
-        try:
+        with syncing(self.sync, 0.05, "Karpenter nodes' stand-in"):
             yield self
-        finally:
-            self._stop.set()
-            thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                self.sync()
-            except client.ApiException as err:
-                if err.status not in (404, 409):  # a node went, or changed, meanwhile
-                    raise
 
     def sync(self) -> None:
         for node in self.core.list_node().items:

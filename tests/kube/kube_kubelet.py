@@ -19,7 +19,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +34,30 @@ if TYPE_CHECKING:
     from tests.kube.k8s_cluster import ControlPlane
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def syncing(sync: Callable[[], None], every_s: float, what: str) -> Iterator[None]:
+    """`sync()` every `every_s` in a thread while the block runs (stopped and joined on leaving,
+    also on a failure). An API error is ridden out as a kubelet would (404 or 409: an object
+    went or changed meanwhile; the rest, a loaded apiserver, logged): the next round retries."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            try:
+                sync()
+            except (client.ApiException, OSError, urllib3.exceptions.HTTPError) as err:
+                if getattr(err, "status", None) not in (404, 409):
+                    log.warning("%s: sync failed, retrying", what, exc_info=err)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 def _now() -> str:
@@ -144,32 +168,18 @@ class LocalKubelet:
     refresh_volumes: bool = True
     running: dict[str, _Container] = field(default_factory=dict)
     started: list[tuple[str, str, str]] = field(default_factory=list)  # pod, node, node-id
-    _stop: threading.Event = field(default_factory=threading.Event)
 
     @contextmanager
     def serving(self) -> Iterator[LocalKubelet]:
-        thread = threading.Thread(target=self._loop, daemon=True)
-        thread.start()
         try:
-            yield self
+            with syncing(self.sync, self.refresh_s, "kubelet stand-in"):
+                yield self
         finally:
-            self._stop.set()
-            thread.join(30)
             for container in self.running.values():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(container.proc.pid, signal.SIGKILL)
                 container.proc.wait()
             self.running.clear()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.refresh_s):
-            try:
-                self.sync()
-            except (client.ApiException, OSError, urllib3.exceptions.HTTPError) as err:
-                # (404: a pod or node went between list and update; the rest: a loaded API
-                # server, which a kubelet rides out too)
-                if getattr(err, "status", None) != 404:
-                    log.warning("kubelet stand-in: sync failed, retrying", exc_info=err)
 
     def sync(self) -> None:
         live_nodes = {n.metadata.name for n in self.core.list_node().items} & self.nodes
@@ -264,7 +274,6 @@ def nodes_follow_instances(
     """Each running instance of the simulated cloud is a node (its kubelet: `kubelet`); an
     instance that is gone takes its node with it."""
     core = client.CoreV1Api(cluster.admin)
-    stop = threading.Event()
 
     def sync() -> None:
         running = {node_name(n.node_id): n for n in cloud.running()}
@@ -276,15 +285,8 @@ def nodes_follow_instances(
             core.delete_node(name)
             kubelet.nodes.discard(name)
 
-    def follow() -> None:
-        while not stop.wait(0.2):
-            sync()
-
-    thread = threading.Thread(target=follow, daemon=True)
-    thread.start()
     try:
-        yield
+        with syncing(sync, 0.2, "nodes following instances"):
+            yield
     finally:
-        stop.set()
-        thread.join(10)
         sync()  # the instances released as the job ended take their nodes too

@@ -106,8 +106,9 @@ def none_left(karpenter: Karpenter, job: str) -> Callable[[], bool]:
 
 
 async def until_true(check: Callable[[], bool], timeout: float) -> None:
+    """`check` (an API call: in a thread, off the worker's event loop) until it holds."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while not await asyncio.to_thread(check):
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.1)
 
@@ -134,16 +135,17 @@ async def test_spot_refused_falls_back_to_on_demand_and_returns_to_spot(
             )
             on_spot = await wait_status(handle, lambda s: s.world_size == 2, 60)
             assert {n.lifecycle for n in on_spot.nodes if n.rank is not None} == {"spot"}
-            karpenter.offer_spot(False)  # spot runs out...
+            await asyncio.to_thread(karpenter.offer_spot, False)  # spot runs out...
             interrupted = members(on_spot)[1]
-            interrupt(karpenter, interrupted)  # ...and Karpenter's interruption queue says so
+            # ...and Karpenter's interruption queue says so
+            await asyncio.to_thread(interrupt, karpenter, interrupted)
 
             def with_on_demand(s: JobStatus) -> bool:
                 kinds = [n.lifecycle for n in s.nodes if n.rank is not None]
                 return s.world_size == 2 and "on-demand" in kinds
 
             fallback = await wait_status(handle, with_on_demand, 90)
-            karpenter.offer_spot(True)
+            await asyncio.to_thread(karpenter.offer_spot, True)
 
             def all_spot(s: JobStatus) -> bool:
                 ready = [n for n in s.nodes if n.state == "ready"]
@@ -190,14 +192,14 @@ async def test_a_live_job_on_nodeclaims_through_a_notice_and_a_loss(
             status = await wait_status(handle, lambda s: s.world_size == 3 and s.step > 10, 120)
             first = status.generation
             noticed = members(status)[-1]
-            interrupt(karpenter, noticed)
+            await asyncio.to_thread(interrupt, karpenter, noticed)
             status = await wait_status(
                 handle, lambda s: s.generation >= first + 2 and s.world_size == 3, 120
             )
             grown = status.step
             status = await wait_status(handle, lambda s: s.step > grown + 10, 60)
             lost = members(status)[0]
-            lose(cluster, karpenter, lost)
+            await asyncio.to_thread(lose, cluster, karpenter, lost)
             result = await asyncio.wait_for(handle.result(), 240)
         await until_true(none_left(karpenter, name), 60)
         deadline = time.monotonic() + 60

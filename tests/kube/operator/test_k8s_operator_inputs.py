@@ -5,10 +5,7 @@ fixed. No worker runs: the workflow is started, not driven."""
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Iterator
 
-import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.k8s.operator import Operator
@@ -17,14 +14,7 @@ from tests.kube.k8s_cluster import ROOT, ControlPlane
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 from tests.kube.operator.test_k8s_crd import apply, example
-
-
-@pytest.fixture(name="ns")
-def ns_fixture(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[str]:
-    name = f"op-{uuid.uuid4().hex[:6]}"
-    control_plane.ensure_namespace(name)
-    yield name
-    kubectl("delete", "trainingjobs", "--all", "-n", name, "--wait=false")
+from tests.kube.operator.test_k8s_crd import ns_fixture as ns_fixture
 
 
 def as_operator(plane: ControlPlane, kubectl: Kubectl, temporal: object) -> Operator:
