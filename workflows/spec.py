@@ -49,6 +49,14 @@ MAX_SLOWDOWN = 1_000
 MAX_LISTED = 100  # instance types, zones, regions, discrete sizes
 MAX_SCALE_CONFIG_VALUES = 10_000
 MAX_SCALE_CONFIG_DEPTH = 8
+# Sizes: the spec is the workflow's input and travels inside its state at every
+# continue-as-new, where Temporal fails a task whose payload passes 2 MB (a 1 MB command wedged
+# a job with its nodes held). The whole spec's JSON stays far below that.
+MAX_SPEC_BYTES = 64 * 1024
+MAX_ARGS = 1_000  # command's arguments, env's entries
+MAX_ARG_CHARS = 16 * 1024  # one argument or env value
+MAX_NAME_CHARS = 253  # instance types, regions, zones, teams, env names (a DNS name's length)
+MAX_URL_CHARS = 2_048  # image, checkpoint
 
 
 def figure(x: float) -> str:
@@ -91,6 +99,8 @@ NodesOrNone = bounded(int, 0, MAX_NODES)  # a count that may be zero
 Tries = bounded(int, 1, MAX_TRIES)
 WorldSize = bounded(int, 1, MAX_WORLD)
 WarningPolicy = Literal["ignore", "shrink", "make_before_break"]
+Label = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+Arg = Annotated[str, Field(max_length=MAX_ARG_CHARS)]
 
 
 class Strict(BaseModel):
@@ -100,7 +110,7 @@ class Strict(BaseModel):
 
 
 class InstanceType(Strict):
-    name: str = Field(min_length=1, description="EC2 instance type, e.g. p3.2xlarge")
+    name: Label = Field(description="EC2 instance type, e.g. p3.2xlarge")
     gpus: bounded(int, 0, MAX_GPUS_PER_NODE) = Field(0, description="GPUs on one node of this type")
     on_demand_price: Price = Field(description="USD per hour on demand")
     spot_price: Price | None = Field(
@@ -116,13 +126,13 @@ class SpotPolicy(Strict):
     instance_types: list[InstanceType] = Field(
         min_length=1, max_length=MAX_LISTED, description="the node shapes the job may buy"
     )
-    region: str = Field("us-east-1", description="home region: on-demand nodes are bought here")
-    more_regions: list[str] = Field(
+    region: Label = Field("us-east-1", description="home region: on-demand nodes are bought here")
+    more_regions: list[Label] = Field(
         default_factory=list,
         max_length=MAX_LISTED,
         description="more regions whose spot pools may serve (the ranks' network must span them)",
     )
-    zones: list[str] = Field(
+    zones: list[Label] = Field(
         default_factory=list, max_length=MAX_LISTED, description="empty: any zone of the regions"
     )
     max_price: Price | None = Field(None, description="USD per hour; default on-demand")
@@ -356,7 +366,7 @@ class PoolMembership(Strict):
     """A shared capacity pool the job draws its nodes from (its quota, queue and budgets)."""
 
     name: str = Field(pattern=NAME_PATTERN, description="the pool (`spotrain pool create`)")
-    team: str | None = Field(None, description="whose budget in the pool the job spends")
+    team: Label | None = Field(None, description="whose budget in the pool the job spends")
     preemptible: bool = Field(
         False,
         description="at its min, may be paused whole (after a checkpoint) for a job "
@@ -371,10 +381,16 @@ class JobSpec(Strict):
     type: Literal["pytorch", "horovod", "mpi", "command"] = Field(
         "pytorch", description="horovod, mpi: a launcher logs in to the workers over SSH"
     )
-    image: str | None = Field(None, description="container image (Kubernetes runtime)")
-    command: list[str] = Field(min_length=1, description="argv of each node's worker")
-    env: dict[str, str] = Field(
-        default_factory=dict, description="plain settings only: secrets belong in the runtime"
+    image: str | None = Field(
+        None, max_length=MAX_URL_CHARS, description="container image (Kubernetes runtime)"
+    )
+    command: list[Arg] = Field(
+        min_length=1, max_length=MAX_ARGS, description="argv of each node's worker"
+    )
+    env: dict[str, Arg] = Field(
+        default_factory=dict,
+        max_length=MAX_ARGS,
+        description="plain settings only: secrets belong in the runtime",
     )
     procs_per_node: bounded(int, 1, MAX_PROCS_PER_NODE) = Field(
         1, description="rank processes on each node"
@@ -401,7 +417,9 @@ class JobSpec(Strict):
     elastic: ElasticPolicy = Field(default_factory=ElasticPolicy)
     spot: SpotPolicy
     on_demand: OnDemandPolicy = Field(default_factory=OnDemandPolicy)
-    checkpoint: str = Field(description="s3://bucket/prefix or file:///path")
+    checkpoint: str = Field(
+        max_length=MAX_URL_CHARS, description="s3://bucket/prefix or file:///path"
+    )
     checkpoint_keep: Tries = Field(
         3, description="complete checkpoints kept (the training library deletes older)"
     )
@@ -457,6 +475,26 @@ class JobSpec(Strict):
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) is smaller than the largest "
                 f"world size ({max_world}): some rank would get an empty batch"
+            )
+        return self
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not 0 < len(name) <= MAX_NAME_CHARS or "=" in name:
+                raise ValueError(
+                    f"name {name[:40]!r} must be 1 to {MAX_NAME_CHARS} characters, without '='"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _fits_a_payload(self) -> JobSpec:
+        size = len(self.model_dump_json())
+        if size > MAX_SPEC_BYTES:
+            raise ValueError(
+                f"the spec is {size:,} bytes as JSON, over {MAX_SPEC_BYTES:,}: it travels in "
+                "the job's every workflow payload; pass large inputs in a file the command reads"
             )
         return self
 

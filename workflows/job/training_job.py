@@ -117,7 +117,9 @@ class TrainingJob:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 s.runs += 1
                 s.prune(self._now())
-                workflow.continue_as_new(args=[s.spec.model_dump(mode="json"), s])
+                # The state holds the spec: carried once, not twice (issue 46: a 1 MB command
+                # made a 2 MB payload, and every task after failed).
+                workflow.continue_as_new(args=[None, s])
             await self._teardown(Phase.SUCCEEDED, keep=s.spec.cleanup == "never")
         except (asyncio.CancelledError, ActivityError) as err:
             if not is_cancelled_exception(err):
