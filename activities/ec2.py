@@ -477,11 +477,12 @@ class EC2Provider:
         """Terminate the job's nodes among `node_ids` and wait until EC2 confirms they are
         shutting down. Only instances tagged with this job are touched; unknown ids are fine.
         Returns the asked ids that belong to the job (all confirmed gone), idempotently."""
-        asked = set(req.node_ids)
         while True:
             activity.heartbeat()
             with _typed_errors():
-                owned = [(r, i) for r, i in self._job_instances(req) if i["InstanceId"] in asked]
+                owned = [
+                    (r, i) for r, i in self._job_instances(req) if req.asks_for(i["InstanceId"])
+                ]
                 live: dict[str, list[str]] = {}
                 for region, i in owned:
                     if i["State"]["Name"] in LIVE_STATES:

@@ -368,10 +368,9 @@ class KarpenterProvider:
         """Delete the job's claims among `node_ids` (Karpenter drains and terminates their
         nodes); only claims labelled with the job are touched. Returns the asked ids that
         belong to the job, idempotently."""
-        asked = set(req.node_ids)
         with _typed_errors():
             owned = [c["metadata"]["name"] for c in self.job_claims(req.job)]
-            for name in owned:
-                if name in asked:
-                    absent(self.api.delete_cluster_custom_object, GROUP, VERSION, PLURAL, name)
-        return sorted(asked & set(owned))
+            asked = [name for name in owned if req.asks_for(name)]
+            for name in asked:
+                absent(self.api.delete_cluster_custom_object, GROUP, VERSION, PLURAL, name)
+        return sorted(asked)

@@ -188,10 +188,10 @@ class SimulatedCloud:
     @activity.defn(name=contract.RELEASE_NODES)
     def release_nodes(self, req: ReleaseRequest) -> list[str]:
         with self._lock:
-            for node_id in req.node_ids:
-                if node_id in self.nodes:
-                    self._gone(node_id, "terminated")
-            return req.node_ids
+            owned = [i for i, n in self.nodes.items() if n.job == req.job and req.asks_for(i)]
+            for node_id in owned:
+                self._gone(node_id, "terminated")
+            return owned
 
     def reclaim(self, node_id: str) -> None:
         """The cloud takes a spot node back (the caller signals the job, as a webhook would)."""

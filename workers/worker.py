@@ -1,5 +1,5 @@
-"""The Temporal worker: TrainingJob and CapacityPool workflows, plus one node provider and one
-rank runtime.
+"""The Temporal worker: the TrainingJob, CapacityPool and ReleaseJob workflows, plus one node
+provider and one rank runtime.
 
 The workflow calls activities by name and never knows which implementation answers: the
 worker picks them when it starts. It holds no state of its own, so it can be killed and
@@ -30,8 +30,9 @@ from spotrain.workers import metrics
 from spotrain.workers.connect import TASK_QUEUE, Unreachable, connect, give_up
 from spotrain.workflows.capacity.pool import CapacityPool
 from spotrain.workflows.job.training_job import TrainingJob
+from spotrain.workflows.release import ReleaseJob
 
-WORKFLOWS = [TrainingJob, CapacityPool]
+WORKFLOWS = [TrainingJob, CapacityPool, ReleaseJob]
 # spotrain's own modules pass through the workflow sandbox, so each class exists once: the
 # pydantic models decoded from history (the JobState that continue-as-new carries, with the
 # events still queued in it) are then the very classes the workflow `match`es on. With the

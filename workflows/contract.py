@@ -203,6 +203,21 @@ class DescribeRequest(Regional):
 class ReleaseRequest(Regional):
     job: str
     node_ids: list[str]
+    everything: bool = Field(
+        False,
+        description="every node the provider finds labelled or tagged with the job, listed or "
+        "not: for a job whose workflow ended without its own cleanup (ReleaseJob)",
+    )
+
+    def asks_for(self, node_id: str) -> bool:
+        return self.everything or node_id in self.node_ids
+
+
+class ReleaseJobRequest(Regional):
+    """ReleaseJob's input: the job, its regions, and whether its runtime keeps failed pods."""
+
+    job: str
+    keep: bool = False
 
 
 # --- rank runtime --------------------------------------------------------------------------

@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -38,22 +40,32 @@ from spotrain.workers.connect import connect
 from spotrain.workers.k8s.crd import API_VERSION, FINALIZER, GROUP, VERSION
 from spotrain.workers.k8s.operator_status import (
     ScaleStatus,
+    ended_without_teardown,
     event_plan,
     job_input,
     job_name,
     mirror,
+    needs_release,
     scale_request,
     workflow_id,
 )
-from spotrain.workflows.contract import ScaleIn, ScaleOut
+from spotrain.workflows.contract import ReleaseJobRequest, ScaleIn, ScaleOut
 from spotrain.workflows.job import attributes
 from spotrain.workflows.job.state import JobStatus
+from spotrain.workflows.release import release_job_id
 from spotrain.workflows.spec import SpecError, parse_spec
 
 log = logging.getLogger("spotrain.operator")
 RUNNING = WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING
+COMPLETED = WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_COMPLETED
 QUERY_TIMEOUT = timedelta(seconds=10)
 HOLDING = "holding the finalizer until the job ends with every node released"
+
+
+def ids(resource: dict[str, Any]) -> dict[str, str]:
+    """What names a resource's workflow: its namespace, name and uid."""
+    meta = resource["metadata"]
+    return {"namespace": meta["namespace"], "name": meta["name"], "uid": meta["uid"]}
 
 
 def crash_point(step: str) -> None:
@@ -66,13 +78,23 @@ def crash_point(step: str) -> None:
 
 class Operator:
     def __init__(
-        self, api: client.ApiClient, temporal: Client, task_queue: str, resync_s: float = 5
+        self,
+        api: client.ApiClient,
+        temporal: Client,
+        task_queue: str,
+        resync_s: float = 5,
+        orphans: str = "cancel",
+        sweep_s: float = 60,
     ) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.temporal = temporal
         self.task_queue = task_queue
         self.resync_s = resync_s
+        self.orphans = orphans  # "cancel" or "report" a workflow whose TrainingJob is gone
+        self.sweep_s = sweep_s
+        self.swept_at = -math.inf
+        self.suspects: set[str] = set()  # workflows without a resource at the last sweep
         self.posted: set[str] = set()  # Events already posted (a cache: a repeat gets 409)
         self.requests: dict[str, asyncio.Task[None]] = {}  # ScaleIn/ScaleOut uid -> its update
 
@@ -114,13 +136,39 @@ class Operator:
         for kind in ("ScaleIn", "ScaleOut"):
             for req in (await asyncio.to_thread(self._list, f"{kind.lower()}s"))["items"]:
                 self._start_request(kind, req)
+        if time.monotonic() - self.swept_at >= self.sweep_s:
+            self.swept_at = time.monotonic()
+            try:
+                await self._sweep({workflow_id(**ids(job)) for job in jobs["items"]})
+            except RPCError as err:
+                log.warning("orphan sweep: %s", err.message)
         return jobs["metadata"]["resourceVersion"]
+
+    async def _sweep(self, known: set[str]) -> None:
+        """Running job workflows of this task queue whose TrainingJob no longer exists (its
+        finalizer removed by hand, or deleted while no operator ran): the job trains on and
+        bills with nothing to show for it. One missing at two sweeps in a row (not a resource
+        created between the list and this sweep) is cancelled, so that its own teardown
+        releases its nodes, or with `--orphans report` only logged."""
+        query = (
+            f"WorkflowType = 'TrainingJob' AND ExecutionStatus = 'Running' "
+            f"AND TaskQueue = '{self.task_queue}'"
+        )
+        running = {w.id async for w in self.temporal.list_workflows(query)}
+        missing = {wid for wid in running if wid.startswith("k8s/")} - known
+        confirmed, self.suspects = missing & self.suspects, missing - self.suspects
+        for wid in sorted(confirmed):
+            if self.orphans == "cancel":
+                await self.temporal.get_workflow_handle(wid).cancel()
+                log.warning("%s: its TrainingJob no longer exists: cancelled", wid)
+            else:
+                log.warning("%s: its TrainingJob no longer exists: left running", wid)
 
     # --- one TrainingJob ---------------------------------------------------------------------
 
     async def reconcile(self, job: dict[str, Any]) -> None:
         meta = job["metadata"]
-        wid = workflow_id(meta["namespace"], meta["name"], meta["uid"])
+        wid = workflow_id(**ids(job))
         handle = self.temporal.get_workflow_handle(wid)
         if meta.get("deletionTimestamp"):
             await self._finalize(job, handle)
@@ -165,6 +213,12 @@ class Operator:
             log.info("%s: no status yet: %s", wid, err.message)
             return
         observed = status.get("observedGeneration")
+        if needs_release(s) and (how := await self._ended(handle)) is not None:
+            released = await self._release(job, handle)
+            final = ended_without_teardown(s, wid, observed, how, released)
+            await self._status(job, final.model_dump(mode="json", by_alias=True))
+            await self._events(job, s)
+            return
         if meta["generation"] != observed and not s.phase.is_final:
             s = await self._scale(job, handle, s)
             observed = meta["generation"]
@@ -218,13 +272,50 @@ class Operator:
                 log.info("%s: cancel requested; %s", handle.id, HOLDING)
                 return
             s = await handle.query("status", result_type=JobStatus, rpc_timeout=QUERY_TIMEOUT)
-            if any(n.state.is_alive for n in s.nodes):
-                log.info("%s: ended; %s", handle.id, HOLDING)
+            if needs_release(s) and await self._release(job, handle) is None:
+                log.info("%s: ended without its teardown; %s", handle.id, HOLDING)
                 return
             await self._events(job, s)
         left = [f for f in job["metadata"]["finalizers"] if f != FINALIZER]
         await self._patch(job, {"metadata": {"finalizers": left}})
         crash_point("finalizer-removed")
+
+    async def _ended(self, handle: WorkflowHandle[Any, Any]) -> str | None:
+        """How the job's workflow ended (TERMINATED, TIMED_OUT, ...); None while it runs."""
+        described = await handle.describe()
+        return None if described.status == RUNNING else described.status.name
+
+    async def _release(
+        self, job: dict[str, Any], handle: WorkflowHandle[Any, Any]
+    ) -> list[str] | None:
+        """For a job whose workflow ended without its teardown: start ReleaseJob (once: its id
+        is the job's), and the ids it released once it is done; None until then."""
+        spec = parse_spec(job_input(job))  # (valid: its workflow ran)
+        req = ReleaseJobRequest(
+            job=spec.name,
+            region=spec.spot.region,
+            more_regions=spec.spot.more_regions,
+            keep=spec.cleanup != "always",
+        )
+        release = self.temporal.get_workflow_handle(
+            release_job_id(handle.id), result_type=list[str]
+        )
+        try:
+            await self.temporal.start_workflow(
+                "ReleaseJob",
+                req,
+                id=release.id,
+                task_queue=self.task_queue,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+                static_summary=f"release the nodes of TrainingJob {job['metadata']['name']}",
+            )
+            crash_point("release-started")
+            log.info("%s: the workflow ended without its teardown: releasing its nodes", handle.id)
+        except WorkflowAlreadyStartedError:
+            pass
+        if (await release.describe()).status != COMPLETED:
+            return None
+        return await release.result()
 
     # --- ScaleIn and ScaleOut ----------------------------------------------------------------
 
@@ -252,8 +343,7 @@ class Operator:
                 raise
             outcome = ScaleStatus(phase="Failed", message=f"no TrainingJob {spec['trainingJob']!r}")
         else:
-            jmeta = job["metadata"]
-            handle = self.temporal.get_workflow_handle(workflow_id(ns, jmeta["name"], jmeta["uid"]))
+            handle = self.temporal.get_workflow_handle(workflow_id(**ids(job)))
             update: ScaleIn | ScaleOut
             if kind == "ScaleOut":
                 update = ScaleOut(count=spec["count"], timeout_s=spec.get("timeoutSeconds"))
@@ -383,13 +473,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="spotrain-operator", description=__doc__.split("\n")[0])
     parser.add_argument("--task-queue", default=os.environ.get("SPOTRAIN_TASK_QUEUE", "spotrain"))
     parser.add_argument("--resync-s", type=float, default=5)
+    parser.add_argument(
+        "--orphans",
+        choices=("cancel", "report"),
+        default=os.environ.get("SPOTRAIN_OPERATOR_ORPHANS", "cancel"),
+        help="a running job workflow whose TrainingJob is gone: cancel it (its teardown "
+        "releases its nodes) or only log it",
+    )
+    parser.add_argument("--orphan-sweep-s", type=float, default=60, help="how often to look")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     default_api_client()  # (loads the configuration the clients below use)
 
     async def serve() -> None:
         temporal = await connect()
-        await Operator(client.ApiClient(), temporal, args.task_queue, args.resync_s).run()
+        await Operator(
+            client.ApiClient(),
+            temporal,
+            args.task_queue,
+            args.resync_s,
+            orphans=args.orphans,
+            sweep_s=args.orphan_sweep_s,
+        ).run()
 
     asyncio.run(serve())
 

@@ -142,6 +142,45 @@ def mirror(s: JobStatus, workflow: str, observed: int | None) -> TrainingJobStat
     )
 
 
+def needs_release(s: JobStatus) -> bool:
+    """The job's state says it is not over, or holds nodes: if its workflow has ended anyway
+    (terminated, timed out), nothing but a ReleaseJob will release them."""
+    return not s.phase.is_final or any(n.state.is_alive for n in s.nodes)
+
+
+def ended_without_teardown(
+    s: JobStatus, workflow: str, observed: int | None, how: str, released: list[str] | None
+) -> TrainingJobStatus:
+    """The resource's status when the workflow ended without its own teardown (`how`: its
+    execution status, TERMINATED or TIMED_OUT): a terminal phase whatever the last query said,
+    the nodes being released (`released` None) or released."""
+    done = released is not None
+    what = (
+        f"released {len(released)} node(s) by their ownership labels or tags: "
+        f"{', '.join(released) or 'none left'}"
+        if released is not None
+        else "releasing every node labelled or tagged with the job"
+    )
+    out = mirror(s, workflow, observed)
+    return out.model_copy(
+        update={
+            "phase": "Failed",
+            "replicas": 0,
+            "nodes": [] if done else out.nodes,
+            "message": f"the workflow ended ({how}) without the job's own teardown: {what}",
+            "conditions": [
+                Condition(type="Ready", status="False", reason="WorkflowEnded"),
+                Condition(
+                    type="NodesReleased",
+                    status="True" if done else "False",
+                    reason="Released" if done else "Releasing",
+                    message=what,
+                ),
+            ],
+        }
+    )
+
+
 class EventPlan(BaseModel):
     name: str
     type: Literal["Normal", "Warning"]

@@ -87,8 +87,9 @@ async def launch_node(req: LaunchRequest, summary: str, attempts: int) -> NodeIn
     return await _run(LAUNCH_NODE, req, summary, NodeInfo, timeout=long, retry=retry)
 
 
-async def release_nodes(req: ReleaseRequest, summary: str) -> None:
-    await _run(RELEASE_NODES, req, summary, timeout=timedelta(minutes=5))
+async def release_nodes(req: ReleaseRequest, summary: str) -> list[str]:
+    """The ids released (all confirmed gone)."""
+    return await _run(RELEASE_NODES, req, summary, list[str], timeout=timedelta(minutes=5))
 
 
 async def find_offers(spot: SpotPolicy) -> list[Offer]:

@@ -47,11 +47,11 @@ class OperatorProcess:
         self.runs = 0
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, crash_at: str = "") -> subprocess.Popen[bytes]:
+    def start(self, crash_at: str = "", *options: str) -> subprocess.Popen[bytes]:
         self.runs += 1
         with (self.logs / f"operator-{self.runs}.log").open("wb") as log:
             proc = subprocess.Popen(
-                [*COMMAND, "--task-queue", self.queue, "--resync-s", "1"],
+                [*COMMAND, "--task-queue", self.queue, "--resync-s", "1", *options],
                 env=self.env | {"SPOTRAIN_OPERATOR_CRASH_AT": crash_at},
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -80,8 +80,8 @@ class OperatorProcess:
                 proc.wait()
 
     @contextmanager
-    def running(self) -> Iterator[None]:
-        self.start()
+    def running(self, *options: str) -> Iterator[None]:
+        self.start("", *options)
         try:
             yield
         finally:
