@@ -29,6 +29,7 @@ RECORDING = [
     "tests/workflows/test_budget.py",
     "tests/workflows/test_stragglers.py",
     "tests/workflows/test_scheduled_change.py",
+    "tests/kube/operator/test_k8s_operator_ended.py",
 ]
 
 

@@ -1,5 +1,5 @@
 """Determinism guard: every recorded history under tests/replay/histories replays against the
-current TrainingJob and CapacityPool code. A change that breaks replay must be versioned with
+current TrainingJob, CapacityPool and ReleaseJob code. A change that breaks replay must be versioned with
 `workflow.patched` or the histories re-recorded on purpose (tests/replay/record_histories.py).
 """
 
@@ -39,6 +39,7 @@ def test_histories_were_recorded() -> None:
         "straggler_lockstep_hang",
         "scheduled_change_swap",
         "finished_in_stop",
+        "release_job_0",
     }
     assert required <= scenarios, (
         f"missing {required - scenarios}: tests/replay/record_histories.py"

@@ -16,6 +16,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.k8s.operator_status import workflow_id
 from spotrain.workflows.release import release_job_id
+from tests.jobs import record_history
 from tests.kube.k8s_cluster import ControlPlane
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
@@ -78,6 +79,7 @@ async def test_a_job_whose_workflow_was_terminated_releases_its_nodes_and_delete
         assert cloud.running() == []
         release = dev_env.client.get_workflow_handle(release_job_id(job.id))
         assert (await release.describe()).status == WorkflowExecutionStatus.COMPLETED
+        await record_history(release, f"release_job_{int(deleted_at_once)}")
         runs = [w async for w in dev_env.client.list_workflows(f'WorkflowId = "{release.id}"')]
         assert len(runs) == 1  # started once, whatever the operator's restarts
 
