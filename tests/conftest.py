@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -61,6 +62,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.path.is_relative_to(folder) for folder in folders):
             item.add_marker(pytest.mark.slow)
+
+
+cpu_at_setup = pytest.StashKey[float]()
+
+
+def cpu_s() -> float:
+    """CPU seconds of this test process (all its threads) and of the children it has reaped."""
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    item.stash[cpu_at_setup] = cpu_s()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Each test's CPU (setup, call and teardown; a shared server's start counts for the first
+    test that asks for it, and its end for the test process's last) as the JUnit property
+    `cpu_s`, which `python -m tests.durations` sums up beside the wall time."""
+    try:
+        return (yield)
+    finally:
+        item.user_properties.append(("cpu_s", round(cpu_s() - item.stash[cpu_at_setup], 2)))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

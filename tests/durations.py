@@ -1,6 +1,8 @@
 """Where the suite's time went: `python -m tests.durations .ci/junit.xml [--top N]` reads the
-JUnit report `.ci/run` writes and prints the worker-seconds by folder and by file, and the
-slowest tests (call, setup and teardown together, as pytest-xdist's workers spent them)."""
+JUnit report `.ci/run` writes and prints the worker-seconds and CPU-seconds by folder and by
+file, and the slowest and costliest tests (call, setup and teardown together, as
+pytest-xdist's workers spent them; CPU: the test process's and its reaped children's, the
+`cpu_s` property tests/conftest.py records)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from collections import Counter
 from pathlib import Path
 
 
-def durations(report: Path) -> dict[str, float]:
-    """Seconds per test id (`tests/x/test_y.py::test_z[...]`)."""
+def durations(report: Path, what: str = "time") -> dict[str, float]:
+    """Seconds per test id (`tests/x/test_y.py::test_z[...]`): wall (`time`) or `cpu_s`."""
     found: dict[str, float] = {}
     for case in ET.parse(report).iter("testcase"):
         module = case.get("classname", "").split(".")
@@ -20,7 +22,9 @@ def durations(report: Path) -> dict[str, float]:
         while module and not Path(f"{path}.py").exists():
             module.pop()
             path = "/".join(module)
-        found[f"{path}.py::{case.get('name')}"] = float(case.get("time", 0))
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        value = case.get("time") if what == "time" else props.get(what)
+        found[f"{path}.py::{case.get('name')}"] = float(value or 0)
     return found
 
 
@@ -29,21 +33,22 @@ def main() -> None:
     parser.add_argument("report", type=Path)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
-    seconds = durations(args.report)
-    by_file: Counter[str] = Counter()
-    by_folder: Counter[str] = Counter()
-    for test, s in seconds.items():
-        file = test.split("::")[0]
-        by_file[file] += s
-        by_folder["/".join(file.split("/")[:2])] += s
-    print(f"{len(seconds)} tests, {sum(seconds.values()):.0f} worker-seconds")
-    for title, counts in (("by folder", by_folder), ("by file", by_file)):
-        print(f"\n{title}")
-        for name, s in counts.most_common(args.top):
-            print(f"{s:8.0f} s  {name}")
-    print("\nslowest tests")
-    for test, s in sorted(seconds.items(), key=lambda kv: -kv[1])[: args.top]:
-        print(f"{s:8.1f} s  {test}")
+    for what, unit in (("time", "worker-seconds"), ("cpu_s", "CPU-seconds")):
+        seconds = durations(args.report, what)
+        by_file: Counter[str] = Counter()
+        by_folder: Counter[str] = Counter()
+        for test, s in seconds.items():
+            file = test.split("::")[0]
+            by_file[file] += s
+            by_folder["/".join(file.split("/")[:2])] += s
+        print(f"\n== {len(seconds)} tests, {sum(seconds.values()):.0f} {unit}")
+        for title, counts in (("by folder", by_folder), ("by file", by_file)):
+            print(f"\n{title}")
+            for name, s in counts.most_common(args.top):
+                print(f"{s:8.0f} s  {name}")
+        print(f"\ntests, most {unit} first")
+        for test, s in sorted(seconds.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"{s:8.1f} s  {test}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Determinism guard: every recorded history under tests/replay/histories replays against the
-current TrainingJob, CapacityPool and ReleaseJob code. A change that breaks replay must be versioned with
-`workflow.patched` or the histories re-recorded on purpose (tests/replay/record_histories.py).
+current TrainingJob, CapacityPool and ReleaseJob code. A change that breaks replay must be
+versioned with `workflow.patched` or the histories re-recorded on purpose
+(tests/replay/record_histories.py).
 """
 
 from __future__ import annotations

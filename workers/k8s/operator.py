@@ -173,12 +173,7 @@ class Operator:
         if meta.get("deletionTimestamp"):
             await self._finalize(job, handle)
             return
-        status = job.get("status") or {}
-        if (
-            status.get("phase") == "Invalid"
-            and status.get("observedGeneration") == meta["generation"]
-        ):
-            return  # refused as it is; an edit of the spec (a new generation) is read again
+        status = job.get("status") or {}  # (only to leave unchanged what is already written)
         if FINALIZER not in meta.get("finalizers", []):
             await self._patch(
                 job, {"metadata": {"finalizers": [*meta.get("finalizers", []), FINALIZER]}}
@@ -186,7 +181,7 @@ class Operator:
             crash_point("finalizer-added")
             return  # the patch is a change: the next pass goes on
         spec = job_input(job)
-        try:
+        try:  # every pass: the spec decides, not a verdict the status remembers
             parse_spec(spec)
         except SpecError as err:
             invalid = {"phase": "Invalid", "message": str(err), "workflowId": None}

@@ -5,6 +5,7 @@ fixed. No worker runs: the workflow is started, not driven."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 from temporalio.testing import WorkflowEnvironment
 
@@ -92,3 +93,34 @@ async def test_a_scale_request_for_a_job_whose_workflow_is_gone_fails_once(
     await asyncio.gather(*op.requests.values())
     status = kubectl.json("get", "-n", ns, "scaleout/more")["status"]
     assert status["phase"] == "Failed" and "no workflow" in status["message"], status
+
+
+async def test_the_status_is_output_not_memory(
+    control_plane: ControlPlane, kubectl: Kubectl, ns: str, dev_env: WorkflowEnvironment
+) -> None:
+    """A valid resource whose status says Invalid for its very generation (written by hand, or
+    left by an older operator): the spec decides, and its job starts (the operator used to take
+    the status at its word and skip the resource for ever)."""
+    op = as_operator(control_plane, kubectl, dev_env.client)
+    assert apply(kubectl, ns, example("trusted"))[0] == 0
+    await op.reconcile_all()  # the finalizer
+    job = kubectl.json("get", "-n", ns, "trainingjob/trusted")
+    forged = {"status": {"phase": "Invalid", "observedGeneration": job["metadata"]["generation"]}}
+    kubectl(
+        "patch",
+        "-n",
+        ns,
+        "trainingjob/trusted",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(forged),
+    )
+    await op.reconcile_all()
+    handle = dev_env.client.get_workflow_handle(workflow_id(ns, "trusted", job["metadata"]["uid"]))
+    try:
+        assert (await handle.describe()).id == handle.id  # started
+        status = kubectl.json("get", "-n", ns, "trainingjob/trusted")["status"]
+        assert status["phase"] == "Pending", status
+    finally:
+        await handle.terminate()
