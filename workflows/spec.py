@@ -12,6 +12,7 @@ cost grows with the square of the nodes, too slow for a workflow task.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from datetime import UTC, datetime
@@ -531,6 +532,14 @@ class JobSpec(Strict):
             if t.name == name:
                 return t
         raise KeyError(name)
+
+
+def digest(spec: JobSpec) -> str:
+    """What names a spec's content, less `elastic.initial_nodes` (the first size only: a
+    running job's target moves by scaling, not by it). The operator compares a TrainingJob's
+    spec with the one its workflow runs by it: an edit the job cannot apply is never silent."""
+    body = spec.model_dump_json(exclude={"elastic": {"initial_nodes"}})
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def json_problem(root: Any) -> str | None:

@@ -39,6 +39,7 @@ from spotrain.activities.kube_api import default_api_client
 from spotrain.workers.connect import connect
 from spotrain.workers.k8s.crd import API_VERSION, FINALIZER, GROUP, VERSION
 from spotrain.workers.k8s.operator_status import (
+    SPEC_IGNORED,
     ScaleStatus,
     ended_without_teardown,
     event_plan,
@@ -47,13 +48,14 @@ from spotrain.workers.k8s.operator_status import (
     mirror,
     needs_release,
     scale_request,
+    spec_applied,
     workflow_id,
 )
 from spotrain.workflows.contract import ReleaseJobRequest, ScaleIn, ScaleOut
 from spotrain.workflows.job import attributes
 from spotrain.workflows.job.state import JobStatus
 from spotrain.workflows.release import release_job_id
-from spotrain.workflows.spec import SpecError, parse_spec
+from spotrain.workflows.spec import SpecError, digest, parse_spec
 
 log = logging.getLogger("spotrain.operator")
 RUNNING = WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING
@@ -182,7 +184,7 @@ class Operator:
             return  # the patch is a change: the next pass goes on
         spec = job_input(job)
         try:  # every pass: the spec decides, not a verdict the status remembers
-            parse_spec(spec)
+            wanted = digest(parse_spec(spec))
         except SpecError as err:
             invalid = {"phase": "Invalid", "message": str(err), "workflowId": None}
             await self._status(job, invalid | {"observedGeneration": meta["generation"]})
@@ -217,9 +219,13 @@ class Operator:
         if meta["generation"] != observed and not s.phase.is_final:
             s = await self._scale(job, handle, s)
             observed = meta["generation"]
-        await self._status(job, mirror(s, wid, observed).model_dump(mode="json", by_alias=True))
+        mirrored = mirror(s, wid, observed, wanted)
+        await self._status(job, mirrored.model_dump(mode="json", by_alias=True))
         crash_point("status-written")
         await self._events(job, s)
+        if spec_applied(s, wanted).status == "False":  # one Warning per edit (generation)
+            ignored = f"spec-ignored-{meta['generation']}"
+            await self._event(job, "Warning", "SpecIgnored", SPEC_IGNORED, ignored)
 
     async def _scale(
         self, job: dict[str, Any], handle: WorkflowHandle[Any, Any], s: JobStatus

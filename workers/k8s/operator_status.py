@@ -97,8 +97,27 @@ def scale_request(replicas: int, target: int) -> tuple[str, ScaleOut | ScaleIn] 
     return None
 
 
-def mirror(s: JobStatus, workflow: str, observed: int | None) -> TrainingJobStatus:
-    """The resource's status from the workflow's `status` query."""
+SPEC_IGNORED = (
+    "the running job cannot apply this edit: only spec.replicas reaches it (kubectl scale); "
+    "to change anything else, delete the TrainingJob and create it again"
+)
+
+
+def spec_applied(s: JobStatus, wanted: str | None) -> Condition:
+    """Whether the job runs the resource's spec (`wanted`: its digest), less replicas: a spec
+    edited after the start is stored by the API server, but the workflow keeps the one it got."""
+    if wanted is None or s.spec_digest is None:
+        return Condition(type="SpecApplied", status="Unknown", reason="NotCompared")
+    if wanted == s.spec_digest:
+        return Condition(type="SpecApplied", status="True", reason="Running")
+    return Condition(type="SpecApplied", status="False", reason="Ignored", message=SPEC_IGNORED)
+
+
+def mirror(
+    s: JobStatus, workflow: str, observed: int | None, wanted: str | None = None
+) -> TrainingJobStatus:
+    """The resource's status from the workflow's `status` query (`wanted`: the digest of the
+    resource's spec, compared with the one the job runs)."""
     last = s.timeline[-1] if s.timeline else None
     held = [n for n in s.nodes if n.state.is_alive]
     return TrainingJobStatus(
@@ -138,6 +157,7 @@ def mirror(s: JobStatus, workflow: str, observed: int | None) -> TrainingJobStat
                 reason="Held" if held else "NoneHeld",
                 message=f"{len(held)} node(s) held",
             ),
+            spec_applied(s, wanted),
         ],
     )
 

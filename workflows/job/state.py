@@ -18,7 +18,7 @@ from spotrain.workflows.job.events import Event
 from spotrain.workflows.policies.budget import BudgetState
 from spotrain.workflows.policies.deadline import DeadlineState
 from spotrain.workflows.policies.stragglers import Straggler
-from spotrain.workflows.spec import JobSpec
+from spotrain.workflows.spec import JobSpec, digest
 
 
 class Phase(StrEnum):
@@ -346,6 +346,7 @@ class JobState(BaseModel):
             pool=self.spec.pool.name if self.spec.pool else None,
             pool_grant=self.grant.nodes if self.grant else None,
             paused_reason=self.paused_reason if self.phase == Phase.PAUSED else None,
+            spec_digest=digest(self.spec),
             nodes=[
                 NodeView(
                     node_id=n.node_id,
@@ -463,6 +464,7 @@ class JobStatus(JobAccounts):
     stragglers: list[Straggler] = Field(
         default_factory=list, description="slow or hung ranks of the running generation"
     )
+    spec_digest: str | None = Field(None, description="spec.digest of the spec the job runs")
 
 
 class JobResult(JobAccounts):
