@@ -83,7 +83,7 @@ def test_the_readme_is_a_front_page_with_the_two_commands() -> None:
     for command in (DEMO, "bash .ci/run"):
         assert f"```\n{command}\n```" in readme
     assert f"```\n{DEMO}\n```" in (ROOT / "docs" / "getting-started.md").read_text()
-    assert "python -m pytest -q -n 4 --dist loadfile" in (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -q -n 2 --dist loadfile" in (ROOT / ".ci" / "run").read_text()
     extras = (ROOT / "pyproject.toml").read_text()
     assert all(f"\n{extra} = [" in extras for extra in ("local", "train", "s3", "report"))
 
