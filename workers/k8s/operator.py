@@ -291,7 +291,11 @@ class Operator:
     ) -> list[str] | None:
         """For a job whose workflow ended without its teardown: start ReleaseJob (once: its id
         is the job's), and the ids it released once it is done; None until then."""
-        spec = parse_spec(job_input(job))  # (valid: its workflow ran)
+        try:
+            spec = parse_spec(job_input(job))
+        except SpecError as err:  # edited since the start: its regions are not known here
+            log.warning("%s: cannot release its nodes, the spec is invalid now: %s", handle.id, err)
+            return None
         req = ReleaseJobRequest(
             job=spec.name,
             region=spec.spot.region,

@@ -17,12 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from temporalio.client import Client
+import yaml
+from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.embedded.stack import _die_with_parent as die_with_parent
 from spotrain.workers.k8s.crd import API_VERSION
+from spotrain.workers.k8s.operator_status import workflow_id
 from spotrain.workers.worker import workflow_worker
 from tests.jobs import fast_runtime, fast_spec
 from tests.kube.k8s_cluster import ROOT, ControlPlane
@@ -131,6 +133,18 @@ def training_job(name: str, replicas: int, **elastic: Any) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": {"replicas": replicas, **spec},
     }
+
+
+async def on_two_nodes(
+    kubectl: Kubectl, op: OperatorProcess, temporal: Client, name: str
+) -> WorkflowHandle[Any, Any]:
+    """`training_job(name, 2)` applied and run by an operator until its status shows 2 nodes
+    (the caller runs a worker); the operator is stopped again. The job's workflow."""
+    kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(training_job(name, 2)))
+    with op.running():
+        await wait_for(lambda: status(kubectl, name).get("replicas") == 2, "2 nodes")
+    uid = resource(kubectl, name)["metadata"]["uid"]
+    return temporal.get_workflow_handle(workflow_id(NS, name, uid))
 
 
 async def wait_for(check: Callable[[], Any], what: str, timeout: float = 60) -> Any:

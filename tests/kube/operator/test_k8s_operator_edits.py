@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.k8s.operator_status import SPEC_IGNORED
@@ -19,9 +18,9 @@ from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 from tests.kube.operator.operator_support import (
     NS,
     events,
+    on_two_nodes,
     operator_with_simulated_worker,
     status,
-    training_job,
     wait_for,
 )
 
@@ -41,10 +40,9 @@ async def test_an_edit_the_job_cannot_apply_is_shown_not_silently_stored(
         _,
         worker,
     ):
-        kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(training_job(name, 2)))
         async with worker():
+            await on_two_nodes(kubectl, op, dev_env.client, name)
             with op.running():
-                await wait_for(lambda: status(kubectl, name).get("replicas") == 2, "2 nodes")
                 assert applied(kubectl, name) == "True"
                 kubectl("scale", "-n", NS, f"tj/{name}", "--replicas=3")  # reaches the job
                 await wait_for(lambda: status(kubectl, name).get("target") == 3, "target 3")

@@ -7,14 +7,13 @@ its ServiceAccount on the real apiserver; the worker runs the simulated cloud.""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
-import yaml
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.workers.k8s.operator_status import workflow_id
 from spotrain.workflows.release import release_job_id
 from tests.jobs import record_history
 from tests.kube.k8s_cluster import ControlPlane
@@ -22,10 +21,10 @@ from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 from tests.kube.operator.operator_support import (
     NS,
+    on_two_nodes,
     operator_with_simulated_worker,
     resource,
     status,
-    training_job,
     wait_for,
 )
 
@@ -51,12 +50,8 @@ async def test_a_job_whose_workflow_was_terminated_releases_its_nodes_and_delete
         cloud,
         worker,
     ):
-        kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(training_job(name, 2)))
         async with worker():
-            with op.running():
-                await wait_for(lambda: status(kubectl, name).get("replicas") == 2, "2 nodes")
-            meta = resource(kubectl, name)["metadata"]
-            job = dev_env.client.get_workflow_handle(workflow_id(NS, name, meta["uid"]))
+            job = await on_two_nodes(kubectl, op, dev_env.client, name)
             await job.terminate(reason="a namespace cleanup")
             assert len(cloud.running()) == 2  # the ended workflow released nothing
             if deleted_at_once:
@@ -98,12 +93,8 @@ async def test_a_workflow_whose_trainingjob_is_gone_is_cancelled_and_releases_it
         cloud,
         worker,
     ):
-        kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(training_job(name, 2)))
         async with worker():
-            with op.running():
-                await wait_for(lambda: status(kubectl, name).get("replicas") == 2, "2 nodes")
-            meta = resource(kubectl, name)["metadata"]
-            job = dev_env.client.get_workflow_handle(workflow_id(NS, name, meta["uid"]))
+            job = await on_two_nodes(kubectl, op, dev_env.client, name)
             kubectl("delete", "-n", NS, f"tj/{name}", "--wait=false")
             unfinalized = '{"metadata": {"finalizers": null}}'
             kubectl("patch", "-n", NS, f"tj/{name}", "--type=merge", "-p", unfinalized)
@@ -116,4 +107,7 @@ async def test_a_workflow_whose_trainingjob_is_gone_is_cancelled_and_releases_it
             with op.running(*sweep):
                 await wait_for(lambda: cloud.running() == [], "its nodes released")
                 assert "no longer exists: cancelled" in op.log()
+            # the nodes go before the teardown's last step: wait for the workflow's end
+            with pytest.raises(WorkflowFailureError):
+                await asyncio.wait_for(job.result(), timeout=60)
             assert (await job.describe()).status == WorkflowExecutionStatus.CANCELED
