@@ -19,12 +19,11 @@ its ranks until all pods are Running and Ready and this runtime has marked the g
 started in the checkpoint store; a gang not ready in time is deleted, and never marked.
 
 The elastic event is the control record in the checkpoint store, which the training library
-polls every 0.25 s (workers/elastic/control.py); the pod annotation `spotrain.io/control`
-(empty: run, `stop`: checkpoint and exit), projected into /etc/spotrain/control through a
-downwardAPI volume
-that the kubelet refreshes on its sync period (about a minute), is the fallback. A pod's
-terminationGracePeriodSeconds is the job's graceful timeout: SIGTERM is an elastic event too.
-Acks and progress come from the checkpoint store.
+polls every 0.05 s on file://, 0.25 s on s3:// (workers/elastic/control.py); the pod
+annotation `spotrain.io/control` (empty: run, `stop`: checkpoint and exit), projected into
+/etc/spotrain/control through a downwardAPI volume that the kubelet refreshes on its sync
+period (about a minute), is the fallback. A pod's terminationGracePeriodSeconds is the job's
+graceful timeout: SIGTERM is an elastic event too. Acks and progress come from the checkpoint store.
 
 Every object carries the labels spotrain.io/managed=true, spotrain.io/job and (pods)
 spotrain.io/generation and spotrain.io/rank; cleanup selects by them. The API calls

@@ -340,10 +340,13 @@ class SimulatedRuntime:
             job.history.append((req.generation, gen.plan.world_size, gen.start_step, step))
             gen.stopped = True
             held = None
-            if req.live and healthy:  # the ranks left park, holding the step they reached
+            survivors = {m.node_id for m in gen.plan.members} - set(req.lost_node_ids)
+            # the ranks left park, holding the step they reached; a world lost whole holds
+            # nothing: it goes back to the last checkpoint
+            if req.live and healthy and survivors:
                 held = step
                 job.held_step, job.held_kind = step, "shrink" if req.graceful else "loss"
-                job.held_nodes = {m.node_id for m in gen.plan.members} - set(req.lost_node_ids)
+                job.held_nodes = survivors
             ranks = list(range(gen.plan.world_size)) if acks or held is not None else []
             return StopResult(
                 acked_ranks=ranks,

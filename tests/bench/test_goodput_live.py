@@ -156,6 +156,21 @@ def test_live_mode_resumes_from_memory_after_the_measured_pause(
     assert rt.jobs["j"].generations[5].startup_s == 102.0
 
 
+def test_a_world_lost_whole_goes_back_to_the_last_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Live mode holds state in the survivors' memory: with none left, nothing holds it."""
+    clock, rt = Clock(monkeypatch), runtime()
+    rt.start_generation(plan(1, ["a"], "live"))
+    clock.skip(1300)  # 100 s start-up, 1200 steps; the periodic checkpoint at 1000
+    lost = rt.stop_generation(stop(1, 1, graceful=False, live=True, lost=["a"]))
+    assert (lost.step, lost.held_step, lost.checkpoint_step) == (1200, None, 1000)
+    assert lost.forced
+    rt.start_generation(plan(2, ["b"], "live"))
+    gen = rt.jobs["j"].generations[2]
+    assert (gen.start_step, gen.startup_s) == (1000, 100.0)  # a restart from the checkpoint
+
+
 def test_restart_mode_restarts_and_a_loss_rolls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     clock, rt = Clock(monkeypatch), runtime()
     rt.start_generation(plan(1, ["a", "b"], "restart"))

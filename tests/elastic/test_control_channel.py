@@ -28,7 +28,7 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.local import LocalRuntime
 from spotrain.activities.notice import raise_elastic_event
 from spotrain.activities.simulated import SimulatedCloud
-from spotrain.elastic import environment
+from spotrain.elastic import control, environment
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.embedded.stack import free_port
 from spotrain.workers.worker import workflow_worker
@@ -346,3 +346,16 @@ async def wait_status(
             return status
         assert time.monotonic() < deadline, status
         await asyncio.sleep(0.1)
+
+
+def test_the_poll_interval_follows_what_a_poll_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stat is polled 5x as often as a billed S3 GET; the environment's setting wins."""
+    monkeypatch.delenv(control.POLL_ENV, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    file_store, s3_store = JobStore("file:///tmp/spotrain-poll"), JobStore("s3://chan/jobs/chan")
+    assert control.poll_interval(file_store) == control.LOCAL_POLL_S == 0.05
+    assert control.poll_interval(s3_store) == control.S3_POLL_S == 0.25
+    assert control.local_poll_interval() == 0.05
+    monkeypatch.setenv(control.POLL_ENV, "0.5")
+    assert control.poll_interval(file_store) == control.poll_interval(s3_store) == 0.5
+    assert control.local_poll_interval() == 0.5
