@@ -40,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from spotrain.workflows.history import history_is_long
     from spotrain.workflows.job import attributes, calls, events, job_planner, start_failure
+    from spotrain.workflows.job.alarms import Alarms
     from spotrain.workflows.job.departures import Departures
     from spotrain.workflows.job.ranks import Ranks
     from spotrain.workflows.job.state import (
@@ -60,9 +61,8 @@ with workflow.unsafe.imports_passed_through():
 
 INVALID_SPEC = "InvalidSpec"
 JOB_FAILED = "JobFailed"
-# The shortest timer the main loop sets. Finer timing buys nothing (a workflow task takes
-# about that long), and a timer that fires within a task's round trip races its own
-# cancellation (which the time-skipping test server mishandles: sdk-java#3088).
+# The shortest timer the main loop sets: finer timing buys nothing (a workflow task takes
+# about that long). (Timers are no longer cancelled just before they fire: alarms.py.)
 SHORTEST_WAIT_S = 0.1
 
 
@@ -106,6 +106,7 @@ class TrainingJob:
             ),
         )
         self.departures = Departures(s, self.fleet, self.ranks, self.swapper)
+        self.alarms = Alarms()
         if s.submitted_at is None:
             s.submitted_at = self._now()
             s.next_check = self._now() + timedelta(seconds=s.spec.elastic.capacity_check_interval_s)
@@ -294,6 +295,14 @@ class TrainingJob:
         if seconds is not None and seconds <= 0:
             # Already due. (Only then: workflow time stands still within an activation, so
             # returning early for anything due later would spin the loop without yielding.)
+            return
+        if workflow.patched("kept-timers"):  # (alarms.py says why)
+            fired: Callable[[], bool] = lambda: False  # noqa: E731
+            if until is not None:
+                fired = self.alarms.at(until, why, max(seconds or 0, SHORTEST_WAIT_S)).done
+            await workflow.wait_condition(
+                lambda: bool(s.inbox) or self._changes != changes or ready() or fired()
+            )
             return
         with contextlib.suppress(TimeoutError):
             await workflow.wait_condition(
