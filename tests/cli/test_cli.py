@@ -226,6 +226,8 @@ async def test_steer_a_running_job(cli: Cli, tmp_path: Path) -> None:
     assert r.code == 1 and "Traceback" not in r.err, r
     r = await cli("reclaim", name, "--node", victim)
     assert (r.code, f"{name} has ended (Cancelled)" in r.err) == (1, True), r
+    r = await cli("cancel", name)
+    assert (r.code, f"{name} has ended (canceled): nothing to cancel" in r.err) == (1, True), r
 
 
 async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
@@ -187,7 +187,12 @@ async def cmd_budget(args: argparse.Namespace) -> int:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
-    await (await job(args)).cancel(rpc_timeout=RPC_TIMEOUT)
+    handle = await job(args)
+    ended = (await handle.describe(rpc_timeout=RPC_TIMEOUT)).status
+    if ended != WorkflowExecutionStatus.RUNNING:  # (Temporal would accept the request)
+        name = ended.name.lower() if ended else "ended"
+        raise CliError(f"{args.name} has ended ({name}): nothing to cancel")
+    await handle.cancel(rpc_timeout=RPC_TIMEOUT)
     out.print(f"{args.name}: cancel requested; the job stops its workers and releases its nodes")
     return OK
 
