@@ -355,7 +355,7 @@ def test_the_poll_interval_follows_what_a_poll_costs(monkeypatch: pytest.MonkeyP
     file_store, s3_store = JobStore("file:///tmp/spotrain-poll"), JobStore("s3://chan/jobs/chan")
     assert control.poll_interval(file_store) == control.LOCAL_POLL_S == 0.05
     assert control.poll_interval(s3_store) == control.S3_POLL_S == 0.25
-    assert control.local_poll_interval() == 0.05
+    assert control.poll_interval() == 0.05  # the runtime's control file
     monkeypatch.setenv(control.POLL_ENV, "0.5")
     assert control.poll_interval(file_store) == control.poll_interval(s3_store) == 0.5
-    assert control.local_poll_interval() == 0.5
+    assert control.poll_interval() == 0.5

@@ -21,12 +21,12 @@ class AlarmsProbe:
     @workflow.run
     async def run(self) -> bool:
         alarms, t0 = Alarms(), workflow.now()
-        near = alarms.at(t0 + timedelta(seconds=5), "near", 5)
+        near = alarms.at(t0 + timedelta(seconds=5), "near")
         await workflow.sleep(1, summary="a wake")
-        again = alarms.at(t0 + timedelta(seconds=5), "near", 4)
-        far = alarms.at(t0 + timedelta(seconds=10 * CANCEL_BEYOND_S), "far", 10 * CANCEL_BEYOND_S)
+        again = alarms.at(t0 + timedelta(seconds=5), "near")
+        far = alarms.at(t0 + timedelta(seconds=10 * CANCEL_BEYOND_S), "far")
         await workflow.sleep(1, summary="another wake")
-        later = alarms.at(t0 + timedelta(seconds=10), "next", 8)
+        later = alarms.at(t0 + timedelta(seconds=10), "next")
         await workflow.wait_condition(lambda: near.done() and later.done())
         return again is near and far.cancelled() and not near.cancelled()
 

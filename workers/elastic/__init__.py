@@ -25,10 +25,9 @@ rendezvous, beside a pod still pulling its image. Call it before the process gro
 The elastic event reaches the rank through the control channel (workers/elastic/control.py): daemon
 threads, started by the first `wait_for_gang` or `elastic_event_detected`, poll the
 generation's control record in the checkpoint store (every 0.05 s on file://, 0.25 s on
-s3://), the runtime's control file
-(`SPOTRAIN_CONTROL_FILE`) as a fallback, and EC2 instance metadata where
-`SPOTRAIN_IMDS_ENDPOINT` is set (workers/elastic/imds.py). `elastic_event_detected()` only reads the
-latched flag.
+s3://), the runtime's control file (`SPOTRAIN_CONTROL_FILE`) as a fallback, and EC2 instance
+metadata where `SPOTRAIN_IMDS_ENDPOINT` is set (workers/elastic/imds.py).
+`elastic_event_detected()` only reads the latched flag.
 
 SIGTERM is an elastic event too (a pod deleted, a node drained, an eviction): the library
 installs a handler that latches the event, so the loop checkpoints within its grace period and
@@ -52,13 +51,7 @@ from functools import cache
 from typing import Any
 
 from spotrain.elastic import environment
-from spotrain.elastic.control import (
-    Channel,
-    ControlFile,
-    StoreRecord,
-    local_poll_interval,
-    poll_interval,
-)
+from spotrain.elastic.control import Channel, ControlFile, StoreRecord, poll_interval
 from spotrain.elastic.imds import Imds
 from spotrain.elastic.job_store import JobStore
 from spotrain.elastic.step_times import STUCK_AFTER_S, StepClock
@@ -170,11 +163,11 @@ def _start() -> Channel:
     with _start_lock:
         if _channel is not None:
             return _channel
-        s, channel = settings(), Channel()
+        s, channel, records = settings(), Channel(), store()
         channel.listeners = _listeners
-        channel.watch(StoreRecord(store(), s.generation, poll_interval(store())))
+        channel.watch(StoreRecord(records, s.generation, poll_interval(records)))
         if s.control_file:
-            channel.watch(ControlFile(s.control_file, local_poll_interval()))
+            channel.watch(ControlFile(s.control_file, poll_interval()))
         imds = Imds.from_env(s.node_id, lambda n: store().report_notice(s.generation, n))
         if imds is not None:
             channel.watch(imds)

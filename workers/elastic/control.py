@@ -45,17 +45,13 @@ S3_POLL_S = 0.25  # a billed request
 STOP = "stop"
 
 
-def poll_interval(store: JobStore) -> float:
-    """How often a rank asks `store` for its control record: the environment's setting, else
-    as often as the store's cost allows."""
+def poll_interval(store: JobStore | None = None) -> float:
+    """How often a rank polls `store` for its control record (None: a local file, the
+    runtime's control file): the environment's setting, else as often as a poll's cost
+    allows."""
     if os.environ.get(POLL_ENV):
         return float(os.environ[POLL_ENV])
-    return S3_POLL_S if isinstance(store.store, S3Store) else LOCAL_POLL_S
-
-
-def local_poll_interval() -> float:
-    """How often a rank stats a local file (the runtime's control file)."""
-    return float(os.environ.get(POLL_ENV) or LOCAL_POLL_S)
+    return S3_POLL_S if store is not None and isinstance(store.store, S3Store) else LOCAL_POLL_S
 
 
 class Source(Protocol):

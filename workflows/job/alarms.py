@@ -20,16 +20,19 @@ from temporalio import workflow
 # More than the workflow task timeout (10 s): no task is still with a worker when a timer
 # this far from its start fires.
 CANCEL_BEYOND_S = 30.0
+# The shortest timer set: finer timing buys nothing (a workflow task takes about that long).
+SHORTEST_WAIT_S = 0.1
 
 
 class Alarms:
     def __init__(self) -> None:
         self._timers: dict[datetime, asyncio.Task[None]] = {}
 
-    def at(self, due: datetime, why: str, seconds: float) -> asyncio.Task[None]:
-        """A timer that fires at `due` (`seconds` from now), named `why` in the Web UI: the
-        one already set for that instant, or a new one. Timers for other instants are
-        cancelled if they are due beyond `CANCEL_BEYOND_S`, else kept until they fire."""
+    def at(self, due: datetime, why: str) -> asyncio.Task[None]:
+        """A timer that fires at `due` (at least `SHORTEST_WAIT_S` from now), named `why` in
+        the Web UI: the one already set for that instant, or a new one. Timers for other
+        instants are cancelled if they are due beyond `CANCEL_BEYOND_S`, else kept until
+        they fire."""
         now = workflow.now()
         for at, timer in list(self._timers.items()):
             if timer.done():
@@ -38,5 +41,6 @@ class Alarms:
                 timer.cancel()
                 del self._timers[at]
         if due not in self._timers:
+            seconds = max((due - now).total_seconds(), SHORTEST_WAIT_S)
             self._timers[due] = asyncio.ensure_future(workflow.sleep(seconds, summary=why))
         return self._timers[due]

@@ -40,7 +40,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from spotrain.workflows.history import history_is_long
     from spotrain.workflows.job import attributes, calls, events, job_planner, start_failure
-    from spotrain.workflows.job.alarms import Alarms
+    from spotrain.workflows.job.alarms import SHORTEST_WAIT_S, Alarms
     from spotrain.workflows.job.departures import Departures
     from spotrain.workflows.job.ranks import Ranks
     from spotrain.workflows.job.state import (
@@ -61,9 +61,6 @@ with workflow.unsafe.imports_passed_through():
 
 INVALID_SPEC = "InvalidSpec"
 JOB_FAILED = "JobFailed"
-# The shortest timer the main loop sets: finer timing buys nothing (a workflow task takes
-# about that long). (Timers are no longer cancelled just before they fire: alarms.py.)
-SHORTEST_WAIT_S = 0.1
 
 
 @workflow.defn(name="TrainingJob")
@@ -297,11 +294,14 @@ class TrainingJob:
             # returning early for anything due later would spin the loop without yielding.)
             return
         if workflow.patched("kept-timers"):  # (alarms.py says why)
-            fired: Callable[[], bool] = lambda: False  # noqa: E731
-            if until is not None:
-                fired = self.alarms.at(until, why, max(seconds or 0, SHORTEST_WAIT_S)).done
+            timer = None if until is None else self.alarms.at(until, why)
             await workflow.wait_condition(
-                lambda: bool(s.inbox) or self._changes != changes or ready() or fired()
+                lambda: (
+                    bool(s.inbox)
+                    or self._changes != changes
+                    or ready()
+                    or (timer is not None and timer.done())
+                )
             )
             return
         with contextlib.suppress(TimeoutError):
