@@ -342,18 +342,41 @@ def test_growth_waits_scaling_timeout_after_nodes_arrive() -> None:
     assert job_planner.growth_timer(s) == (None, None)  # no growth left: the clock resets
 
 
-@given(timeout=st.floats(0, 10_000), members=st.integers(2, 3), ready=st.integers(2, 4))
-def test_growth_is_due_exactly_scaling_timeout_after_it_became_possible(
-    timeout: float, members: int, ready: int
+def test_growth_back_to_the_target_is_due_at_once() -> None:
+    """A replacement that restores the nodes the job wants joins at once: it bills while it
+    waits, and no further node is coming to batch it with (the newcomer's 47-80 s idle)."""
+    s = running(state(elastic={"scaling_timeout_s": 30, "max_nodes": 4}), [0, 1])
+    s.target = 3
+    s.nodes = [node(0), node(1), node(2)]
+    s.grow_since = job_planner.growth_since(s, T0)
+    assert job_planner.growth_timer(s) == (T0, T0)
+    assert job_planner.growth_timer(s, restore_at_once=False) == (T0, T0 + timedelta(seconds=30))
+    s.target = 4  # still one short: wait for it, to join both in one resize
+    assert job_planner.growth_timer(s) == (T0, T0 + timedelta(seconds=30))
+    s.target, s.members = 2, [0, 1]  # beyond the target (spare spot): debounced as before
+    assert job_planner.growth_timer(s) == (T0, T0 + timedelta(seconds=30))
+
+
+@given(
+    timeout=st.floats(0, 10_000),
+    members=st.integers(2, 3),
+    ready=st.integers(2, 4),
+    target=st.integers(2, 4),
+)
+def test_growth_is_due_scaling_timeout_after_it_became_possible_unless_it_restores_the_target(
+    timeout: float, members: int, ready: int, target: int
 ) -> None:
     s = running(state(elastic={"scaling_timeout_s": timeout}), list(range(members)))
+    s.target = target
     s.nodes = [node(i) for i in range(max(members, ready))]
     s.grow_since = job_planner.growth_since(s, T0)
     since, due = job_planner.growth_timer(s)
-    if ready > members:
-        assert since == T0 and due == T0 + timedelta(seconds=timeout)
-    else:
+    if ready <= members:
         assert since is None and due is None
+    elif members < target <= ready:
+        assert since == T0 and due == T0
+    else:
+        assert since == T0 and due == T0 + timedelta(seconds=timeout)
 
 
 def test_growth_swaps_fallback_nodes_for_spot_at_the_same_size() -> None:

@@ -222,3 +222,26 @@ async def test_each_cleanup_policy_keeps_what_it_says(
         with contextlib.suppress(WorkflowFailureError):
             await handle.result()
     assert kept == [keep]
+
+
+async def test_a_signal_that_does_not_parse_is_refused_on_the_jobs_timeline(
+    ts_env: WorkflowEnvironment, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A signal has no answer (the Temporal CLI says "succeeded" whatever the workflow makes
+    of it): a payload with an unknown or missing field is named on the job's timeline and in
+    one log line, not dropped with the SDK's traceback; a good one after it is acted on."""
+    async with simulated(ts_env.client) as sim:
+        handle = await sim.start(job_spec())
+        status = await until(sim, handle, lambda s: s.world_size == 4)
+        victim = next(n.node_id for n in status.nodes if n.rank is not None)
+        await handle.signal("reclaim", {"node_id": victim, "deadline_s": 120})
+        await handle.signal("node_lost", {"node": victim})
+        await handle.signal("reclaim", {"node_id": victim, "event_id": "good"})
+        status = await until(sim, handle, lambda s: s.reclaims == 1)
+        await handle.cancel()
+    refused = [e.detail for e in status.timeline if e.event == "signal refused"]
+    assert refused == [
+        "reclaim: deadline_s: Extra inputs are not permitted",
+        "node_lost: node_id: Field required; node: Extra inputs are not permitted",
+    ]
+    assert "Failed deserializing signal input" not in caplog.text

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
@@ -43,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows.job.alarms import SHORTEST_WAIT_S, Alarms
     from spotrain.workflows.job.departures import Departures
     from spotrain.workflows.job.ranks import Ranks
+    from spotrain.workflows.job.signal_input import read_signal
     from spotrain.workflows.job.state import (
         JobFailed,
         JobResult,
@@ -133,7 +135,12 @@ class TrainingJob:
         return self.result()
 
     @workflow.signal(name="reclaim")
+    def _reclaim_signal(self, raw: RawValue) -> None:
+        if notice := read_signal("reclaim", raw, ReclaimNotice, self.s):
+            self.reclaim(notice)
+
     def reclaim(self, notice: ReclaimNotice) -> None:
+        """A notice (the signal's, or one the ranks found), queued once per event id."""
         if self.s and self.s.remember(notice.event_id):
             self.s.inbox.append(
                 events.Reclaim(
@@ -144,13 +151,15 @@ class TrainingJob:
             )
 
     @workflow.signal(name="node_lost")
-    def node_lost(self, lost: NodeLost) -> None:
-        if self.s and self.s.remember(lost.event_id):
+    def node_lost(self, raw: RawValue) -> None:
+        lost = read_signal("node_lost", raw, NodeLost, self.s)
+        if lost and self.s and self.s.remember(lost.event_id):
             self.s.inbox.append(events.Lost(node_id=lost.node_id))
 
     @workflow.signal(name="grant")
-    def grant(self, grant: PoolGrant) -> None:
-        if self.s and grant.seq > self.s.grant_seen:
+    def grant(self, raw: RawValue) -> None:
+        grant = read_signal("grant", raw, PoolGrant, self.s)
+        if grant and self.s and grant.seq > self.s.grant_seen:
             self.s.grant_seen = grant.seq
             self.s.inbox.append(events.Grant(grant=grant))
 
@@ -525,7 +534,9 @@ class TrainingJob:
 
     def _growth_at(self) -> datetime | None:
         s = self._active_state()
-        s.grow_since, due = job_planner.growth_timer(s)
+        s.grow_since, due = job_planner.growth_timer(
+            s, restore_at_once=workflow.patched("growth-to-target-at-once")
+        )
         return due
 
     async def _periodic_checks(self) -> None:
