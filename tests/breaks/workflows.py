@@ -32,8 +32,8 @@ PLANNER_BREAKS = [
     Break(
         "scaling_timeout_s growth debounce",
         JP,
-        "return state.grow_since, state.grow_since + timedelta(\n        seconds=state.spec.elastic.scaling_timeout_s\n    )",
-        "return state.grow_since, state.grow_since",
+        "return since, since + timedelta(seconds=state.spec.elastic.scaling_timeout_s)",
+        "return since, since",
         PJ("test_growth_waits_scaling_timeout_after_nodes_arrive"),
     ),
     Break(

@@ -17,6 +17,7 @@ from spotrain.workflows.spec import parse_spec
 from tests.jobs import job_spec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+T1 = T0 + timedelta(seconds=5)  # a later look: a started debounce keeps its start
 GPU_TYPES = [
     {"name": "g10", "gpus": 10, "on_demand_price": 10.0, "spot_price": 3.0},
     {"name": "g8", "gpus": 8, "on_demand_price": 8.0, "spot_price": 2.5},
@@ -337,9 +338,9 @@ def test_growth_waits_scaling_timeout_after_nodes_arrive() -> None:
     s.grow_since = job_planner.growth_since(s, T0)
     assert s.grow_since == T0
     assert job_planner.growth_since(s, T0 + timedelta(seconds=5)) == T0  # the clock keeps
-    assert job_planner.growth_timer(s) == (T0, T0 + timedelta(seconds=17))
+    assert job_planner.growth_timer(s, T1) == (T0, T0 + timedelta(seconds=17))
     s.nodes[2].state = NodeState.GONE
-    assert job_planner.growth_timer(s) == (None, None)  # no growth left: the clock resets
+    assert job_planner.growth_timer(s, T1) == (None, None)  # no growth left: the clock resets
 
 
 def test_growth_back_to_the_target_is_due_at_once() -> None:
@@ -349,12 +350,29 @@ def test_growth_back_to_the_target_is_due_at_once() -> None:
     s.target = 3
     s.nodes = [node(0), node(1), node(2)]
     s.grow_since = job_planner.growth_since(s, T0)
-    assert job_planner.growth_timer(s) == (T0, T0)
-    assert job_planner.growth_timer(s, restore_at_once=False) == (T0, T0 + timedelta(seconds=30))
+    assert job_planner.growth_timer(s, T1) == (T0, T0)
+    debounced = (T0, T0 + timedelta(seconds=30))
+    assert job_planner.growth_timer(s, T1, restore_at_once=False) == debounced
     s.target = 4  # still one short: wait for it, to join both in one resize
-    assert job_planner.growth_timer(s) == (T0, T0 + timedelta(seconds=30))
+    assert job_planner.growth_timer(s, T1) == (T0, T0 + timedelta(seconds=30))
     s.target, s.members = 2, [0, 1]  # beyond the target (spare spot): debounced as before
-    assert job_planner.growth_timer(s) == (T0, T0 + timedelta(seconds=30))
+    assert job_planner.growth_timer(s, T1) == (T0, T0 + timedelta(seconds=30))
+
+
+def test_growth_that_became_possible_while_no_generation_ran_is_not_forgotten() -> None:
+    """A replacement ready during the gang start changes no node afterwards: the debounce
+    starts at the first look once the generation runs (it never started: the job stayed
+    short of its node for good, seen in the crash sweep at after:describe_nodes)."""
+    s = state(elastic={"scaling_timeout_s": 30})
+    s.nodes = [node(0), node(1), node(2)]
+    s.grow_since = job_planner.growth_since(s, T0)  # (the node came: nothing runs yet)
+    assert s.grow_since is None
+    running(s, [0, 1])
+    s.target = 4
+    assert job_planner.growth_timer(s, T1) == (T1, T1 + timedelta(seconds=30))
+    assert job_planner.growth_timer(s, None) == (None, None)  # the rule before: stuck
+    s.target = 3
+    assert job_planner.growth_timer(s, T1) == (T1, T1)
 
 
 @given(
@@ -370,7 +388,7 @@ def test_growth_is_due_scaling_timeout_after_it_became_possible_unless_it_restor
     s.target = target
     s.nodes = [node(i) for i in range(max(members, ready))]
     s.grow_since = job_planner.growth_since(s, T0)
-    since, due = job_planner.growth_timer(s)
+    since, due = job_planner.growth_timer(s, T1)
     if ready <= members:
         assert since is None and due is None
     elif members < target <= ready:

@@ -339,21 +339,23 @@ def growth_since(state: JobState, now: datetime) -> datetime | None:
 
 
 def growth_timer(
-    state: JobState, restore_at_once: bool = True
+    state: JobState, now: datetime | None, *, restore_at_once: bool = True
 ) -> tuple[datetime | None, datetime | None]:
     """(debounce start, when to grow): growth waits `scaling_timeout_s` after it became
     possible, so nodes arriving one by one join in one resize; both are None once it is no
-    longer possible (the next chance starts afresh). Growth that brings the job back to the
-    nodes it wants (a replacement ready) is due at once: nothing more is coming to wait for,
-    and the node bills while it idles (`restore_at_once` False: the rule before that)."""
-    plan = None if state.grow_since is None else growth_plan(state)
-    if state.grow_since is None or plan is None:
+    longer possible (the next chance starts afresh). A debounce not started yet starts `now`:
+    a node that became ready while no generation ran (during a gang start) changed nothing
+    later, and the job stayed short of it for good (None: the rule before). Growth that
+    brings the job back to the nodes it wants (a replacement ready) is due at once: nothing
+    more is coming to wait for, and the node bills while it idles (`restore_at_once` False:
+    the rule before)."""
+    since = state.grow_since if now is None else growth_since(state, now)
+    plan = None if since is None else growth_plan(state)
+    if since is None or plan is None:
         return None, None
     if restore_at_once and len(state.members) < state.allowed <= len(plan):
-        return state.grow_since, state.grow_since
-    return state.grow_since, state.grow_since + timedelta(
-        seconds=state.spec.elastic.scaling_timeout_s
-    )
+        return since, since
+    return since, since + timedelta(seconds=state.spec.elastic.scaling_timeout_s)
 
 
 # --- events ------------------------------------------------------------------------------------

@@ -535,7 +535,9 @@ class TrainingJob:
     def _growth_at(self) -> datetime | None:
         s = self._active_state()
         s.grow_since, due = job_planner.growth_timer(
-            s, restore_at_once=workflow.patched("growth-to-target-at-once")
+            s,
+            self._now() if workflow.patched("growth-debounce-starts-when-possible") else None,
+            restore_at_once=workflow.patched("growth-to-target-at-once"),
         )
         return due
 
