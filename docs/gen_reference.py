@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 from temporalio import workflow
+from temporalio.common import RawValue
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "reference"
@@ -279,7 +280,7 @@ def handler_doc(fn: Any, arg: Any, ret: Any) -> str:
 
 def workflow_page() -> str:
     from spotrain.workflows.capacity.pool import CapacityPool
-    from spotrain.workflows.job import attributes
+    from spotrain.workflows.job import attributes, signal_input
     from spotrain.workflows.job.training_job import TrainingJob
 
     out = [
@@ -305,6 +306,8 @@ def workflow_page() -> str:
                 hints = typing.get_type_hints(h.fn)
                 params = [v for k, v in hints.items() if k != "return"]
                 arg, ret = (params[0] if params else None), hints.get("return")
+                if arg is RawValue:  # a signal the workflow reads itself
+                    arg = signal_input.INPUTS[name]
                 title = f"\n### {kind} `{name}`\n\n"
                 if arg is not None:
                     title += f"Input `{type_name(arg)}`. "

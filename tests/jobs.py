@@ -228,6 +228,18 @@ def sizes(result_or_status: Any) -> list[int]:
     return [e.world_size for e in result_or_status.timeline if e.event == "generation started"]
 
 
+def left_before_the_shrink(result_or_status: Any, node_id: str) -> bool:
+    """Whether `node_id` went between the last three generations' starts: it left, the job ran
+    one smaller, then grew back. Read from the timeline, because a replacement joins as soon
+    as it is ready, so the smaller generation may last less than a poll."""
+    events = [(e.event, e.detail) for e in result_or_status.timeline]
+    starts = [i for i, (event, _) in enumerate(events) if event == "generation started"]
+    gone = [i for i, (event, detail) in enumerate(events) if event == "node gone"]
+    return len(starts) >= 3 and any(
+        node_id in events[i][1] and starts[-3] < i < starts[-2] for i in gone
+    )
+
+
 async def record_history(handle: WorkflowHandle[Any, Any], name: str) -> None:
     """With SPOTRAIN_RECORD=1, save every run of the job (continue-as-new makes several) for
     the replay tests. Re-recording is deliberate: see tests/replay/test_replay.py."""

@@ -36,6 +36,7 @@ from tests.jobs import (
     continue_as_new_now,
     fast_runtime,
     fast_spec,
+    left_before_the_shrink,
     record_history,
     running_at,
     simulated,
@@ -77,12 +78,7 @@ async def test_reclaim_with_notice_checkpoints_shrinks_and_grows_back(
         )
         result = await handle.result()
         await record_history(handle, "reclaim_with_notice")
-    # (read from the timeline: the replacement is ready in a moment and joins at once, so the
-    # generation at 3 may last less than a poll)
-    events = [(e.event, e.detail) for e in result.timeline]
-    starts = [i for i, (event, _) in enumerate(events) if event == "generation started"]
-    gone = next(i for i, (event, detail) in enumerate(events) if event == "node gone")
-    assert victim in events[gone][1] and starts[-3] < gone < starts[-2]  # it left, then 3 ran
+    assert left_before_the_shrink(result, victim), result.timeline
     assert sizes(result)[-3:] == [4, 3, 4]
     assert result.reclaims == 1
     assert result.steps_lost == 0  # the checkpoint on notice keeps every step

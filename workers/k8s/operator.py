@@ -62,6 +62,7 @@ RUNNING = WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING
 COMPLETED = WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_COMPLETED
 QUERY_TIMEOUT = timedelta(seconds=10)
 HOLDING = "holding the finalizer until the job ends with every node released"
+TIMELINE_AT = "spotrain.io/timeline-time"  # an Event's timeline entry, to the microsecond
 
 
 def ids(resource: dict[str, Any]) -> dict[str, str]:
@@ -450,6 +451,9 @@ class Operator:
                     "spotrain.io/job": job_name(meta["name"], meta["uid"]),
                     "app.kubernetes.io/managed-by": "spotrain-operator",
                 },
+                # (an Event's timestamps keep whole seconds: the timeline entry's own instant,
+                # so two alike entries a moment apart read as two, and one posted twice as one)
+                "annotations": {TIMELINE_AT: at} if at else {},
             },
             "involvedObject": {
                 "apiVersion": API_VERSION,

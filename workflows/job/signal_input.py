@@ -9,28 +9,44 @@ naming the fields at fault.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue
 
 with workflow.unsafe.imports_passed_through():
+    from spotrain.workflows.contract import NodeLost, PoolGrant, ReclaimNotice
     from spotrain.workflows.job.state import JobState
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def read_signal(signal: str, raw: RawValue, model: type[M], state: JobState | None) -> M | None:
-    """The payload as `model`, or None once its refusal is logged and recorded."""
-    try:
-        return workflow.payload_converter().from_payload(raw.payload, model)
-    except Exception as err:  # (ValidationError, or bytes that are no JSON)
-        why = refusal(err)
-    workflow.logger.warning(f"signal {signal} refused: {why}")
-    if state is not None:
-        state.record(workflow.now(), "signal refused", f"{signal}: {why}")
-    return None
+@dataclass(frozen=True)
+class SignalInput(Generic[M]):
+    """A signal's name and the model its payload must parse as (the reference docs read the
+    model here: the handler itself takes the raw payload)."""
+
+    name: str
+    model: type[M]
+
+    def read(self, raw: RawValue, state: JobState | None) -> M | None:
+        """The payload as the model, or None once its refusal is logged and recorded."""
+        try:
+            return workflow.payload_converter().from_payload(raw.payload, self.model)
+        except Exception as err:  # (ValidationError, or bytes that are no JSON)
+            why = refusal(err)
+        workflow.logger.warning(f"signal {self.name} refused: {why}")
+        if state is not None:
+            state.record(workflow.now(), "signal refused", f"{self.name}: {why}")
+        return None
+
+
+RECLAIM = SignalInput("reclaim", ReclaimNotice)
+NODE_LOST = SignalInput("node_lost", NodeLost)
+GRANT = SignalInput("grant", PoolGrant)
+INPUTS: dict[str, type[BaseModel]] = {s.name: s.model for s in (RECLAIM, NODE_LOST, GRANT)}
 
 
 def refusal(err: Exception) -> str:

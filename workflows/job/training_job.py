@@ -31,8 +31,6 @@ with workflow.unsafe.imports_passed_through():
         CONFIG_ERROR,
         CleanupRequest,
         Empty,
-        NodeLost,
-        PoolGrant,
         ReclaimNotice,
         ScaleIn,
         ScaleOut,
@@ -44,7 +42,7 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows.job.alarms import SHORTEST_WAIT_S, Alarms
     from spotrain.workflows.job.departures import Departures
     from spotrain.workflows.job.ranks import Ranks
-    from spotrain.workflows.job.signal_input import read_signal
+    from spotrain.workflows.job.signal_input import GRANT, NODE_LOST, RECLAIM
     from spotrain.workflows.job.state import (
         JobFailed,
         JobResult,
@@ -134,9 +132,9 @@ class TrainingJob:
             ) from None
         return self.result()
 
-    @workflow.signal(name="reclaim")
+    @workflow.signal(name=RECLAIM.name)
     def _reclaim_signal(self, raw: RawValue) -> None:
-        if notice := read_signal("reclaim", raw, ReclaimNotice, self.s):
+        if notice := RECLAIM.read(raw, self.s):
             self.reclaim(notice)
 
     def reclaim(self, notice: ReclaimNotice) -> None:
@@ -150,15 +148,15 @@ class TrainingJob:
                 )
             )
 
-    @workflow.signal(name="node_lost")
+    @workflow.signal(name=NODE_LOST.name)
     def node_lost(self, raw: RawValue) -> None:
-        lost = read_signal("node_lost", raw, NodeLost, self.s)
+        lost = NODE_LOST.read(raw, self.s)
         if lost and self.s and self.s.remember(lost.event_id):
             self.s.inbox.append(events.Lost(node_id=lost.node_id))
 
-    @workflow.signal(name="grant")
+    @workflow.signal(name=GRANT.name)
     def grant(self, raw: RawValue) -> None:
-        grant = read_signal("grant", raw, PoolGrant, self.s)
+        grant = GRANT.read(raw, self.s)
         if grant and self.s and grant.seq > self.s.grant_seen:
             self.s.grant_seen = grant.seq
             self.s.inbox.append(events.Grant(grant=grant))
