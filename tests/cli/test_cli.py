@@ -57,7 +57,19 @@ class Cli:
     sim: Sim
 
     async def __call__(self, *argv: str, **env: str) -> Result:
-        proc = await asyncio.create_subprocess_exec(
+        proc = await self.start(*argv, **env)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode is not None
+        return Result(proc.returncode, out.decode(), err.decode())
+
+    async def start(self, *argv: str, **env: str) -> asyncio.subprocess.Process:
+        """`spotrain ARGV...` running, its output piped."""
+        return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "spotrain.workers.cli.main",
@@ -66,9 +78,6 @@ class Cli:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-        assert proc.returncode is not None
-        return Result(proc.returncode, out.decode(), err.decode())
 
     async def until(self, name: str, check: Callable[[JobStatus], bool]) -> JobStatus:
         """Wait in-process (a query is cheaper than a CLI run) until the job's status holds."""
@@ -214,7 +223,19 @@ async def test_steer_a_running_job(cli: Cli, tmp_path: Path) -> None:
     r = await cli("scale", name, "--out", "1")
     assert (r.code, "scaling out by 1 node(s)" in r.out) == (0, True), r
 
-    assert (await cli("cancel", name)).code == 0
+    # watched through a pipe: a line as the job moves, not nothing until it ends
+    watch = await cli.start("status", name, "--watch", "--interval", "0.2")
+    try:
+        assert watch.stdout is not None
+        first = await asyncio.wait_for(watch.stdout.readline(), 30)
+        assert f"{name} Running generation".encode() in first, first
+        assert (await cli("cancel", name)).code == 0
+        rest, _ = await asyncio.wait_for(watch.communicate(), 60)
+    finally:
+        if watch.returncode is None:
+            watch.kill()
+            await watch.wait()
+    assert watch.returncode == 0 and f"{name} Cancelled" in rest.decode().splitlines()[-1]
     await cli.until(name, lambda s: s.phase == "Cancelled")
     r = await cli("status", name, "--watch", "--json", "--interval", "0.2")
     assert r.code == 0 and json.loads(r.out.splitlines()[-1])["phase"] == "Cancelled", r

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from rich.console import Group
@@ -168,21 +169,38 @@ async def cmd_status(args: argparse.Namespace) -> int:
         else:
             out.print(snapshot_view(args.name, s, blocked))
         return OK
-    if args.json:  # one JSON object per line per poll
+    # A terminal gets the view redrawn in place; a pipe or a file (rich's Live would write
+    # nothing until the job ends) a line each time the job moves; --json an object a poll.
+    live = Live(console=out, auto_refresh=False) if out.is_terminal and not args.json else None
+    last = ""
+    with live or contextlib.nullcontext():
         while True:
             s, blocked = await snapshot(c, handle)
-            sys.stdout.write(json.dumps(snapshot_json(args.name, s, blocked), default=str) + "\n")
-            sys.stdout.flush()
+            if args.json:
+                sys.stdout.write(json.dumps(snapshot_json(args.name, s, blocked), default=str))
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            elif live is not None:
+                live.update(snapshot_view(args.name, s, blocked), refresh=True)
+            elif (line := watch_line(args.name, s, blocked)) != last:
+                out.print(f"{datetime.now():%H:%M:%S} {line}", markup=False, soft_wrap=True)
+                out.file.flush()
+                last = line
             if s and s.phase.is_final:
                 return OK
             await asyncio.sleep(args.interval)
-    with Live(console=out, auto_refresh=False) as live:
-        while True:
-            s, blocked = await snapshot(c, handle)
-            live.update(snapshot_view(args.name, s, blocked), refresh=True)
-            if s and s.phase.is_final:
-                return OK
-            await asyncio.sleep(args.interval)
+
+
+def watch_line(name: str, s: JobStatus | None, blocked: Stuck | None) -> str:
+    """The job in one line, for `status --watch` to a pipe."""
+    if blocked is not None:
+        return blocked.line(name)
+    assert s is not None  # (only a stuck job may leave the query unanswered)
+    return (
+        f"{s.name} {s.phase} generation {s.generation} world size {s.world_size} "
+        f"step {s.step}/{s.total_steps} cost ${s.cost_so_far:,.2f}"
+        + (f": {s.failure}" if s.failure else "")
+    )
 
 
 async def cmd_report(args: argparse.Namespace) -> int:
