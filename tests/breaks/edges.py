@@ -120,6 +120,13 @@ EC2_BREAKS = [
         EC2("test_gc_reaps_orphans_and_spares_live_jobs"),
     ),
     Break(
+        "gc reaps stopped instances too",
+        OWN_PY,
+        'LIVE_STATES = ("pending", "running", "stopping", "stopped")',
+        'LIVE_STATES = ("pending", "running")',
+        EC2("test_gc_reaps_orphans_and_spares_live_jobs"),
+    ),
+    Break(
         "run_instances tags the volumes",
         EC2_PY,
         'for kind in ("instance", "volume")',

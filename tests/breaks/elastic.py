@@ -12,6 +12,15 @@ CW = _in("elastic/test_checkpoint_writer.py")
 HO_PY = "workers/elastic/handover.py"
 HANDOVER_BREAKS = [
     Break(
+        "checkpoint retention spares a newer save still being written",
+        "workers/elastic/checkpoint.py",
+        "if step < newest and step not in complete:",
+        "if step not in complete:",
+        _in("elastic/test_checkpoint.py")(
+            "test_retention_keeps_last_k_and_the_loaded_one_and_removes_leftovers"
+        ),
+    ),
+    Break(
         "background checkpoint: written in the writer process",
         "workers/elastic/checkpoint.py",
         'background="process" if stager else "thread"',

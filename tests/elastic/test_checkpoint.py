@@ -161,17 +161,19 @@ def test_retention_keeps_last_k_and_the_loaded_one_and_removes_leftovers(
     run_ranks(2, [["save", 10, "periodic"], ["save", 20, "periodic"]], uri, keep=2)
     # A save that never completed (files, no record), older than what comes next.
     store.store.put_json("ckpt/step-0000025/__0_0.distcp", {"partial": True})
+    # A save still being written (files, no record yet), newer than any complete one.
+    store.store.put_json("ckpt/step-0000045/__0_0.distcp", {"partial": True})
     # Generation 2 resumes from step 10 (as if 20 were not there yet), then saves 30 and 40.
     store.write_loaded(2, 10)
     run_ranks(2, [["save", 30, "periodic"], ["save", 40, "periodic"]], uri, generation=2, keep=2)
     assert [r["step"] for r in store.checkpoints()] == [10, 30, 40]
-    assert store.checkpoint_dirs() == [10, 30, 40]
+    assert store.checkpoint_dirs() == [10, 30, 40, 45]  # (45 may be in flight: it stays)
     assert store.latest_checkpoint()["step"] == 40
 
     # A straggler of an older generation deletes nothing once a newer one has started.
     store.mark_started(3, time.time())
     run_ranks(2, [["save", 50, "periodic"]], uri, generation=2, keep=1)
-    assert store.checkpoint_dirs() == [10, 30, 40, 50]
+    assert store.checkpoint_dirs() == [10, 30, 40, 45, 50]
     # The newest generation applies keep=1: only the newest complete one stays.
     run_ranks(2, [["save", 60, "final"]], uri, generation=3, keep=1)
     assert store.checkpoint_dirs() == [60]
