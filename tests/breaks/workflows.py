@@ -261,6 +261,13 @@ PLANNER_BREAKS = [
         MBT("test_policies_pass_to_the_usual_reclaim_path"),
     ),
     Break(
+        "a swap of several checkpoints within the shortest notice's grace",
+        MB,
+        "grace=min(grace(w) for w, _ in pairs),",
+        "grace=max(grace(w) for w, _ in pairs),",
+        MBT("test_one_resize_swapping_several_checkpoints_within_the_shortest_notices_grace"),
+    ),
+    Break(
         "max_surge_nodes",
         MB,
         "cap = e.max_nodes + e.max_surge_nodes",

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from spotrain.workflows.contract import Offer, PoolGrant
 from spotrain.workflows.job import events, job_planner
 from spotrain.workflows.job.checkpoints import CheckpointStats
+from spotrain.workflows.job.planner import grace_for_notice
 from spotrain.workflows.job.state import JobState, NodeState, Swap
 from spotrain.workflows.policies import make_before_break
 from spotrain.workflows.spec import SpecError, parse_spec
@@ -171,6 +172,19 @@ def test_swaps_wait_for_replacements_still_launching_until_a_notice_cannot_wait(
     s.nodes[5].state = NodeState.READY
     step = make_before_break.next_step(s, T0)
     assert [(a.slot, b.slot) for a, b in step.pairs] == [(1, 4), (0, 5)]
+
+
+def test_one_resize_swapping_several_checkpoints_within_the_shortest_notices_grace() -> None:
+    s = state(members=4, max_surge_nodes=2)
+    s.swaps = [
+        Swap(node_id="i-0", since=T0),  # a warning: no deadline, the whole graceful timeout
+        Swap(node_id="i-1", since=T0, deadline=T0 + timedelta(seconds=30)),
+    ]
+    s.nodes += [node(4), node(5)]
+    step = make_before_break.next_step(s, T0)
+    assert [(a.slot, b.slot) for a, b in step.pairs] == [(1, 4), (0, 5)]
+    timeout = s.spec.elastic.graceful_shutdown_timeout_s
+    assert step.grace == grace_for_notice(30, timeout, make_before_break.NOTICE_MARGIN_S) < timeout
 
 
 # --- properties --------------------------------------------------------------------------------
