@@ -261,6 +261,15 @@ PLANNER_BREAKS = [
         MBT("test_policies_pass_to_the_usual_reclaim_path"),
     ),
     Break(
+        "a straggler is blamed on its own node with several ranks to a node",
+        "workflows/policies/stragglers.py",
+        'return [n.node_id or "" for n in members for _ in range(n.procs)]',
+        'return [n.node_id or "" for n in members]',
+        _in("workflows/test_stragglers.py")(
+            "test_with_two_ranks_to_a_node_a_slow_rank_is_blamed_on_its_own_node"
+        ),
+    ),
+    Break(
         "a swap of several checkpoints within the shortest notice's grace",
         MB,
         "grace=min(grace(w) for w, _ in pairs),",

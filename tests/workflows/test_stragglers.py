@@ -34,10 +34,17 @@ from spotrain.workers.cli.views import status_view
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.job.state import JobResult, JobStatus
-from spotrain.workflows.policies.stragglers import RankSteps, assess, hung_ranks, slow_ranks
+from spotrain.workflows.policies.stragglers import (
+    RankSteps,
+    assess,
+    hung_ranks,
+    rank_nodes,
+    slow_ranks,
+)
 from spotrain.workflows.spec import SpecError, StragglerPolicy, parse_spec
 from tests.jobs import FAST_ELASTIC, job_spec, polled, record_history
 from tests.warm_python import WARM_PYTHON
+from tests.workflows.test_planner_job import node
 
 pytestmark = pytest.mark.slow
 
@@ -188,6 +195,14 @@ def test_flags_of_another_generation_are_forgotten_and_flag_only_replaces_nothin
     assert fresh.cleared == [] and fresh.replace == []
     watch_only = StragglerPolicy(patience_s=0, replace=False)
     assert assess(watch_only, 600, 4, slow, ["i-a", "i-b"], [], T0).replace == []
+
+
+def test_with_two_ranks_to_a_node_a_slow_rank_is_blamed_on_its_own_node() -> None:
+    members = [node(0, procs=2), node(1, procs=2)]  # i-0 runs ranks 0-1, i-1 ranks 2-3
+    assert rank_nodes(members) == ["i-0", "i-0", "i-1", "i-1"]
+    slow = [steps(0, 0.1, 0.1), steps(1, 0.1, 0.1), steps(2, 0.1, 0.1), steps(3, 0.5, 0.1)]
+    found = assess(POLICY, 600, 1, slow, rank_nodes(members), [], T0)
+    assert [(f.rank, f.node_id) for f in found.flags] == [(3, "i-1")]
 
 
 def test_spec_takes_the_straggler_policy_and_refuses_nonsense() -> None:

@@ -18,11 +18,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from spotrain.workflows.spec import StragglerPolicy
+
+if TYPE_CHECKING:  # (the job's state holds this module's Straggler)
+    from spotrain.workflows.job.state import NodeRecord
 
 
 class RankSteps(BaseModel):
@@ -100,6 +103,12 @@ def hung_ranks(ranks: list[RankSteps], stall_s: float, job_stalled: bool) -> dic
                 f"{waiting} peer(s) wait"
             )
     return found
+
+
+def rank_nodes(members: list[NodeRecord]) -> list[str]:
+    """Each rank's node, by rank: the runtime numbers ranks node by node in member order,
+    `procs` to a node (so with two to a node, rank 3 runs on the second node)."""
+    return [n.node_id or "" for n in members for _ in range(n.procs)]
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,12 @@ class StragglerWatch:
         if not workflow.patched("straggler-replace"):
             return False
         stalled = job_planner.watch_verdict(s, w, now)[0] == "fault"  # (a progress watch)
-        rank_nodes = [n.node_id or "" for n in s.member_nodes for _ in range(n.procs)]
         found = stragglers.assess(
             policy,
             s.spec.elastic.stall_timeout_s,
             s.generation,
             w.ranks,
-            rank_nodes,
+            stragglers.rank_nodes(s.member_nodes),
             s.stragglers,
             now,
             job_stalled=stalled,
