@@ -6,7 +6,13 @@ behaviour; a break that no longer matches the code fails test_every_break_matche
 
 from __future__ import annotations
 
-from tests.breaks.edges import AUTH_BREAKS, CLI_BREAKS, EC2_BREAKS, NOTICE_BREAKS
+from tests.breaks.edges import (
+    AUTH_BREAKS,
+    CLI_BREAKS,
+    EC2_BREAKS,
+    NOTICE_BREAKS,
+    OPERATOR_BREAKS,
+)
 from tests.breaks.elastic import HANDOVER_BREAKS, PEER_COPY_BREAKS
 from tests.breaks.model import Break
 from tests.breaks.suite import SUITE_BREAKS
@@ -23,5 +29,6 @@ BREAKS = (
     + HANDOVER_BREAKS
     + PEER_COPY_BREAKS
     + CLI_BREAKS
+    + OPERATOR_BREAKS
     + SUITE_BREAKS
 )

@@ -1,0 +1,25 @@
+"""The operator's pure decisions on a job's status, without a cluster."""
+
+from __future__ import annotations
+
+from spotrain.workers.k8s.operator_status import needs_release
+from spotrain.workflows.job.state import JobState, NodeState, Phase
+from spotrain.workflows.spec import parse_spec
+from tests.jobs import job_spec
+from tests.workflows.test_planner_job import T0, node
+
+
+def test_a_job_needs_a_release_until_it_is_over_and_holds_no_node() -> None:
+    """The finalizer stays while the status says the job runs, or lists a node it still
+    holds (its teardown cut short: a ReleaseJob must release it), whatever its phase."""
+    s = JobState.new(parse_spec(job_spec()))
+    s.nodes = [node(0), node(1, state=NodeState.RELEASED)]
+    s.phase = Phase.RUNNING
+    assert needs_release(s.status(T0))
+    for phase in (Phase.SUCCEEDED, Phase.FAILED, Phase.CANCELLED):
+        s.phase = phase
+        assert needs_release(s.status(T0)), phase  # node 0 is still held
+    s.nodes[0].state = NodeState.REQUESTED  # ordered, never ready: still billed once it is
+    assert needs_release(s.status(T0))
+    s.nodes[0].state = NodeState.GONE
+    assert not needs_release(s.status(T0))
