@@ -1,4 +1,5 @@
-"""Breaks at the edges: webhook auth, notice parsing, EC2 ownership, the CLI, the operator."""
+"""Breaks at the edges: webhook auth, notice parsing, EC2 ownership, the CLI and the
+operator."""
 
 from __future__ import annotations
 
