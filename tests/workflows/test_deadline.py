@@ -18,7 +18,7 @@ from spotrain.workers.cli.report import Report
 from spotrain.workflows.contract import Offer
 from spotrain.workflows.job import job_planner
 from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
-from spotrain.workflows.policies import deadline
+from spotrain.workflows.policies import deadline, deadline_hooks
 from spotrain.workflows.spec import DeadlinePolicy, SpecError, parse_spec
 from tests.jobs import job_spec, record_history, simulated, skip
 
@@ -196,3 +196,14 @@ def test_on_demand_mode_buys_on_demand_and_keeps_it() -> None:
         job_planner.spot_orders(s, offered, 1, Counter(), spot_only=False).orders[0].lifecycle
         == "spot"
     )
+
+
+def test_a_move_to_on_demand_asks_for_every_node_the_job_may_hold() -> None:
+    """Short of spot (2 of its 4 nodes), the job moves to on-demand and its target is the
+    ceiling again: the rest of the work on as many nodes as it may hold."""
+    spec = job_spec(deadline={"max_duration_s": 3600, "steps_per_hour": 36_000 / 2})
+    s = JobState.new(parse_spec(spec))
+    s.submitted_at, s.target = T0, 2
+    deadline_hooks.check(s, T0)
+    assert s.deadline is not None and s.deadline.mode == "on-demand"
+    assert s.target == s.ceiling == 4
