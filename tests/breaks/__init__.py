@@ -10,8 +10,8 @@ from tests.breaks.edges import (
     AUTH_BREAKS,
     CLI_BREAKS,
     EC2_BREAKS,
+    KUBE_BREAKS,
     NOTICE_BREAKS,
-    OPERATOR_BREAKS,
 )
 from tests.breaks.elastic import HANDOVER_BREAKS, PEER_COPY_BREAKS
 from tests.breaks.model import Break
@@ -29,6 +29,6 @@ BREAKS = (
     + HANDOVER_BREAKS
     + PEER_COPY_BREAKS
     + CLI_BREAKS
-    + OPERATOR_BREAKS
+    + KUBE_BREAKS
     + SUITE_BREAKS
 )

@@ -172,8 +172,8 @@ CLI_BREAKS = [
     ),
 ]
 
-# --- the Kubernetes operator -----------------------------------------------------------------
-OPERATOR_BREAKS = [
+# --- Kubernetes: the operator, live pods ------------------------------------------------------
+KUBE_BREAKS = [
     Break(
         "the finalizer stays while an ended job still lists a node it holds",
         "workers/k8s/operator_status.py",
@@ -181,6 +181,15 @@ OPERATOR_BREAKS = [
         "return not s.phase.is_final",
         _in("kube/operator/test_operator_status.py")(
             "test_a_job_needs_a_release_until_it_is_over_and_holds_no_node"
+        ),
+    ),
+    Break(
+        "a live pod is adopted only once all its ranks parked",
+        "activities/kube_live.py",
+        "and pod_ranks(p) <= acked",
+        "and bool(pod_ranks(p) & acked)",
+        _in("kube/test_parked_pods.py")(
+            "test_a_pod_is_parked_only_once_every_one_of_its_ranks_acked"
         ),
     ),
 ]
