@@ -23,6 +23,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -65,7 +66,14 @@ def figure(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() and abs(x) < 1e13 else f"{x:g}"
 
 
-def bounded(kind: type[int] | type[float], low: float, high: float, *, above: bool = False) -> Any:
+def bounded(
+    kind: type[int] | type[float],
+    low: float,
+    high: float,
+    *,
+    above: bool = False,
+    strict: bool = True,
+) -> Any:
     """An int or float, finite, in [low, high] (`above`: low itself excluded), as an annotated
     type. Pydantic's own refusal of inf or NaN ("Input should be a finite number") and of a
     float too big for an int names no bound: this check runs first and names it."""
@@ -88,7 +96,11 @@ def bounded(kind: type[int] | type[float], low: float, high: float, *, above: bo
 
     floor = {"gt": low} if above else {"ge": low}
     # Field first: constraints placed after a validator would not reach the JSON schema.
-    return Annotated[kind, Field(le=high, allow_inf_nan=False, **floor), BeforeValidator(check)]
+    # Strict, as the TrainingJob CRD's schema is: "1000" or true is no count (a float field
+    # takes an int, an int field no 2.5 and no "2"). Not for a mapping's keys: JSON's are text.
+    return Annotated[
+        kind, Field(le=high, allow_inf_nan=False, strict=strict, **floor), BeforeValidator(check)
+    ]
 
 
 Seconds = bounded(float, 0, MAX_DURATION_S)
@@ -98,7 +110,7 @@ Price = bounded(float, 0, MAX_PRICE_USD_H, above=True)
 Nodes = bounded(int, 1, MAX_NODES)
 NodesOrNone = bounded(int, 0, MAX_NODES)  # a count that may be zero
 Tries = bounded(int, 1, MAX_TRIES)
-WorldSize = bounded(int, 1, MAX_WORLD)
+WorldSizeKey = bounded(int, 1, MAX_WORLD, strict=False)  # (a key of scale_config)
 WarningPolicy = Literal["ignore", "shrink", "make_before_break"]
 Label = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
 Arg = Annotated[str, Field(max_length=MAX_ARG_CHARS)]
@@ -137,7 +149,7 @@ class SpotPolicy(Strict):
         default_factory=list, max_length=MAX_LISTED, description="empty: any zone of the regions"
     )
     max_price: Price | None = Field(None, description="USD per hour; default on-demand")
-    enabled: bool = Field(True, description="false: run on on-demand nodes only")
+    enabled: StrictBool = Field(True, description="false: run on on-demand nodes only")
 
     @property
     def regions(self) -> list[str]:
@@ -161,9 +173,11 @@ class SpotPolicy(Strict):
 class OnDemandPolicy(Strict):
     """When spot is short: whether to fall back to on-demand nodes, and how far."""
 
-    fallback: bool = Field(True, description="buy on-demand nodes when spot is short")
+    fallback: StrictBool = Field(True, description="buy on-demand nodes when spot is short")
     max_nodes: NodesOrNone | None = Field(None, description="cap on on-demand nodes; None: no cap")
-    return_to_spot: bool = Field(True, description="swap fallback nodes back when spot returns")
+    return_to_spot: StrictBool = Field(
+        True, description="swap fallback nodes back when spot returns"
+    )
     base_nodes: NodesOrNone = Field(0, description="on-demand nodes never reclaimed (the base)")
 
 
@@ -177,7 +191,7 @@ class StragglerPolicy(Strict):
     patience_s: Seconds = Field(
         300, description="a rank flagged slow this long has its node replaced"
     )
-    replace: bool = Field(True, description="false: only flag, never replace")
+    replace: StrictBool = Field(True, description="false: only flag, never replace")
 
 
 class ElasticPolicy(Strict):
@@ -214,7 +228,7 @@ class ElasticPolicy(Strict):
     reclaim_policy: Literal["drop", "replace"] = Field(
         "replace", description="drop the lost node, or order a replacement and grow back"
     )
-    act_on_rebalance: bool = Field(
+    act_on_rebalance: StrictBool = Field(
         False, description="treat an EC2 rebalance recommendation as a reclaim notice"
     )
     early_warning: WarningPolicy | None = Field(
@@ -258,7 +272,7 @@ class ElasticPolicy(Strict):
         description="how long a collective waits for a peer: a rank lost without notice is "
         "detected within it (passed to ranks as SPOTRAIN_COLLECTIVE_TIMEOUT_S)",
     )
-    peer_copy: bool = Field(
+    peer_copy: StrictBool = Field(
         False,
         description="live resize of a model sharded over every rank (pure FSDP, no replica): "
         "each node keeps an in-memory copy of its ring neighbour's shards and steps it with the "
@@ -267,7 +281,7 @@ class ElasticPolicy(Strict):
         "again as a rank's own shards, optimizer state and gradients, and one gradient shard "
         "sent per step (docs/sharded.md)",
     )
-    opportunistic: bool = Field(True, description="grow onto spare spot capacity up to max")
+    opportunistic: StrictBool = Field(True, description="grow onto spare spot capacity up to max")
     progress_report_interval_s: Interval = Field(
         30, description="how often running ranks' progress reaches the workflow"
     )
@@ -368,7 +382,7 @@ class PoolMembership(Strict):
 
     name: str = Field(pattern=NAME_PATTERN, description="the pool (`spotrain pool create`)")
     team: Label | None = Field(None, description="whose budget in the pool the job spends")
-    preemptible: bool = Field(
+    preemptible: StrictBool = Field(
         False,
         description="at its min, may be paused whole (after a checkpoint) for a job "
         "of higher priority",
@@ -408,7 +422,7 @@ class JobSpec(Strict):
     global_batch_size: bounded(int, 1, MAX_BATCH) | None = Field(
         None, description="split over the ranks, unevenly when the world size does not divide it"
     )
-    scale_config: dict[WorldSize, dict[str, Any]] = Field(
+    scale_config: dict[WorldSizeKey, dict[str, Any]] = Field(
         default_factory=dict,
         max_length=MAX_LISTED,
         description="per-world-size overrides passed to ranks (keys: world sizes 1 to "

@@ -61,6 +61,18 @@ def test_example_and_defaults() -> None:
             "elastic.typo_field: Extra inputs are not permitted",
         ),
         ({"tpye": "pytorch"}, "tpye: Extra inputs are not permitted"),
+        # as strict as the TrainingJob CRD's schema: text or a boolean is no count
+        ({"total_steps": "1000"}, "total_steps: Input should be a valid integer"),
+        ({"total_steps": "1e3"}, "total_steps: Input should be a valid integer"),
+        ({"elastic": {"min_nodes": True}}, "elastic.min_nodes: Input should be a valid integer"),
+        (
+            {"elastic": {"opportunistic": "yes"}},
+            "elastic.opportunistic: Input should be a valid boolean",
+        ),
+        (
+            {"elastic": {"graceful_shutdown_timeout_s": "60"}},
+            "elastic.graceful_shutdown_timeout_s: Input should be a valid number",
+        ),
         ({"elastic": {"peer_copy": True}}, "peer_copy keeps shards in memory for live resize"),
         ({"spot": {"more_regions": ["us-west-2", "us-east-1"]}}, "more_regions repeats us-east-1"),
         (
