@@ -43,6 +43,7 @@ from spotrain.workers.k8s.operator_status import (
     ScaleStatus,
     ended_without_teardown,
     event_plan,
+    invalid_message,
     job_input,
     job_name,
     mirror,
@@ -187,7 +188,7 @@ class Operator:
         try:  # every pass: the spec decides, not a verdict the status remembers
             wanted = digest(parse_spec(spec))
         except SpecError as err:
-            invalid = {"phase": "Invalid", "message": str(err), "workflowId": None}
+            invalid = {"phase": "Invalid", "message": invalid_message(str(err)), "workflowId": None}
             await self._status(job, invalid | {"observedGeneration": meta["generation"]})
             return
         try:

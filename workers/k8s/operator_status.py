@@ -6,6 +6,7 @@ timeline warrants, and what a `kubectl scale` asks of the workflow. No I/O, no c
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,6 +87,20 @@ def job_input(resource: dict[str, Any]) -> dict[str, Any]:
     if (replicas := resource["spec"].get("replicas")) is not None:
         spec["elastic"] = {**spec.get("elastic", {}), "initial_nodes": replicas}
     return spec
+
+
+def invalid_message(refusal: str) -> str:
+    """A job spec's refusal (`SpecError`'s text) in the resource's own terms: each field under
+    `spec.`, and the replicas it gave where the job spec says initial_nodes."""
+    head, *lines = refusal.replace("invalid job spec", "invalid TrainingJob spec").splitlines()
+    said = [head]
+    for line in lines:
+        where, sep, why = line.strip().partition(": ")
+        if sep:
+            where = "spec" if where == "(spec)" else f"spec.{where}"
+            line = f"  {where.replace('spec.elastic.initial_nodes', 'spec.replicas')}: {why}"
+        said.append(re.sub(r"\binitial_nodes\b", "replicas", line))
+    return "\n".join(said)
 
 
 def scale_request(replicas: int, target: int) -> tuple[str, ScaleOut | ScaleIn] | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from spotrain.workers.k8s.operator_status import needs_release
+import pytest
+
+from spotrain.workers.k8s.operator_status import invalid_message, job_input, needs_release
 from spotrain.workflows.job.state import JobState, NodeState, Phase
-from spotrain.workflows.spec import parse_spec
+from spotrain.workflows.spec import SpecError, parse_spec
 from tests.jobs import job_spec
 from tests.workflows.test_planner_job import T0, node
 
@@ -23,3 +25,25 @@ def test_a_job_needs_a_release_until_it_is_over_and_holds_no_node() -> None:
     assert needs_release(s.status(T0))
     s.nodes[0].state = NodeState.GONE
     assert not needs_release(s.status(T0))
+
+
+def test_a_refused_spec_is_told_in_the_resources_terms() -> None:
+    """The TrainingJob's author wrote spec.replicas and spec.elastic.*; the job spec's
+    refusal names initial_nodes and elastic.*: the Invalid message speaks the resource's."""
+    spec = {k: v for k, v in job_spec().items() if k != "name"}
+    spec["replicas"] = 9
+    spec["elastic"] = spec["elastic"] | {"min_nodes": "2"}
+    resource = {"metadata": {"name": "mnist", "uid": "0123456789ab"}, "spec": spec}
+    with pytest.raises(SpecError) as err:
+        parse_spec(job_input(resource))
+    said = invalid_message(str(err.value))
+    assert said.splitlines() == [
+        "invalid TrainingJob spec:",
+        "  spec.elastic.min_nodes: Input should be a valid integer",
+    ], said
+    spec["elastic"]["min_nodes"] = 2
+    with pytest.raises(SpecError) as err:
+        parse_spec(job_input(resource))
+    said = invalid_message(str(err.value))
+    assert "spec.replicas" not in str(err.value) and "initial_nodes" not in said
+    assert "replicas (9) outside" in said, said
