@@ -319,7 +319,11 @@ def member(status: JobStatus, node_rank: int) -> str:
     return next(n.node_id or "" for n in status.nodes if n.rank == node_rank)
 
 
-async def reclaim(handle: Handle, node_id: str, event_id: str, in_s: float = 30) -> None:
+async def reclaim(handle: Handle, node_id: str, event_id: str, in_s: float = 120) -> None:
+    """A notice for `node_id`, due in `in_s`. The job acts on it at once either way; the room
+    is for a worker killed right after it arrives: on a loaded machine its replacement took
+    over 30 s to take over, the deadline had passed, and the job rightly treated the node as
+    lost (no shrink: it waited for the replacement), so the planned cycle never came (CI)."""
     deadline = (datetime.now(UTC) + timedelta(seconds=in_s)).isoformat()
     await handle.signal("reclaim", {"node_id": node_id, "deadline": deadline, "event_id": event_id})
 
