@@ -66,14 +66,7 @@ def figure(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() and abs(x) < 1e13 else f"{x:g}"
 
 
-def bounded(
-    kind: type[int] | type[float],
-    low: float,
-    high: float,
-    *,
-    above: bool = False,
-    strict: bool = True,
-) -> Any:
+def bounded(kind: type[int] | type[float], low: float, high: float, *, above: bool = False) -> Any:
     """An int or float, finite, in [low, high] (`above`: low itself excluded), as an annotated
     type. Pydantic's own refusal of inf or NaN ("Input should be a finite number") and of a
     float too big for an int names no bound: this check runs first and names it."""
@@ -96,11 +89,9 @@ def bounded(
 
     floor = {"gt": low} if above else {"ge": low}
     # Field first: constraints placed after a validator would not reach the JSON schema.
-    # Strict, as the TrainingJob CRD's schema is: "1000" or true is no count (a float field
-    # takes an int, an int field no 2.5 and no "2"). Not for a mapping's keys: JSON's are text.
-    return Annotated[
-        kind, Field(le=high, allow_inf_nan=False, strict=strict, **floor), BeforeValidator(check)
-    ]
+    # Strict as the TrainingJob CRD is: "1000" or true is no count (a float field takes an int).
+    field = Field(le=high, allow_inf_nan=False, strict=True, **floor)
+    return Annotated[kind, field, BeforeValidator(check)]
 
 
 Seconds = bounded(float, 0, MAX_DURATION_S)
@@ -110,7 +101,7 @@ Price = bounded(float, 0, MAX_PRICE_USD_H, above=True)
 Nodes = bounded(int, 1, MAX_NODES)
 NodesOrNone = bounded(int, 0, MAX_NODES)  # a count that may be zero
 Tries = bounded(int, 1, MAX_TRIES)
-WorldSizeKey = bounded(int, 1, MAX_WORLD, strict=False)  # (a key of scale_config)
+WorldSizeKey = Annotated[int, Field(ge=1, le=MAX_WORLD)]  # (lax: JSON's keys are text)
 WarningPolicy = Literal["ignore", "shrink", "make_before_break"]
 Label = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
 Arg = Annotated[str, Field(max_length=MAX_ARG_CHARS)]
