@@ -75,6 +75,7 @@ from spotrain.activities.kube_objects import (
     pod_body,
     pod_ranks,
     service_body,
+    ssh_name,
     ssh_secret_body,
 )
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
@@ -134,7 +135,7 @@ class KubeRuntime(PodApi):
 
     def __init__(
         self,
-        namespace: str = "spotrain",
+        namespace: str = "spotrain-jobs",
         api_client: client.ApiClient | None = None,
         *,
         master_port: int = 29500,
@@ -155,7 +156,7 @@ class KubeRuntime(PodApi):
     @classmethod
     def from_env(cls) -> KubeRuntime:
         """As the worker and `spotrain release` configure it: SPOTRAIN_K8S_NAMESPACE."""
-        return cls(namespace=os.environ.get("SPOTRAIN_K8S_NAMESPACE", "spotrain"))
+        return cls(namespace=os.environ.get("SPOTRAIN_K8S_NAMESPACE", "spotrain-jobs"))
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
@@ -424,8 +425,9 @@ class KubeRuntime(PodApi):
             absent(self.core.delete_namespaced_service, svc.metadata.name, ns)
         for cm in self.core.list_namespaced_config_map(ns, label_selector=selector).items:
             absent(self.core.delete_namespaced_config_map, cm.metadata.name, ns)
-        # The SSH keys: deleted by label, never read back (no get or list on Secrets).
-        self.core.delete_collection_namespaced_secret(ns, label_selector=selector)
+        # The SSH keys: deleted by name, never read back (no get, list or deletecollection:
+        # a collection delete returns what it deletes).
+        absent(self.core.delete_namespaced_secret, ssh_name(req.job), ns)
 
     @config_errors
     def release_job(self, job: str) -> list[str]:

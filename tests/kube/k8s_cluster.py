@@ -50,7 +50,8 @@ from tests.kube.k8s_certs import b64, dn, issue_cert, new_key, pem_key
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "infra/k8s/controlplane/build.sh"
-NAMESPACE = "spotrain"
+NAMESPACE = "spotrain-jobs"  # the training pods' (infra/k8s/namespace.yaml)
+SYSTEM_NAMESPACE = "spotrain"  # spotrain's own accounts
 PR_SET_PDEATHSIG = 1
 CRD_GROUP, CRD_VERSION = "spotrain.io", "v1alpha1"
 CUSTOM_RESOURCES = ("trainingjobs", "scaleins", "scaleouts")
@@ -411,7 +412,7 @@ class ControlPlane:
         """A kubeconfig for a user by client certificate (CN the name, O the group)."""
         return self._cert_kubeconfig(name, dn(name, group))
 
-    def service_account_kubeconfig(self, name: str, namespace: str = NAMESPACE) -> Path:
+    def service_account_kubeconfig(self, name: str, namespace: str = SYSTEM_NAMESPACE) -> Path:
         """A kubeconfig holding a token for the ServiceAccount (TokenRequest API, 1 h)."""
         request = client.AuthenticationV1TokenRequest(
             spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
@@ -461,8 +462,8 @@ class ControlPlane:
         loops)."""
         review = client.V1SubjectAccessReview(
             spec=client.V1SubjectAccessReviewSpec(
-                user=f"system:serviceaccount:{NAMESPACE}:{service_account}",
-                groups=["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}"],
+                user=f"system:serviceaccount:{SYSTEM_NAMESPACE}:{service_account}",
+                groups=["system:serviceaccounts", f"system:serviceaccounts:{SYSTEM_NAMESPACE}"],
                 resource_attributes=client.V1ResourceAttributes(
                     namespace=namespace, verb=verb, resource=resource, group=group
                 ),

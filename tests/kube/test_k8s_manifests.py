@@ -60,7 +60,7 @@ def test_kustomization_lists_every_manifest() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == [p.name for p in MANIFESTS]
     namespaces = {d["metadata"]["name"] for d in by_kind("Namespace")}
-    assert namespaces == {kustomization["namespace"]}
+    assert namespaces == {"spotrain", "spotrain-jobs"} and "namespace" not in kustomization
     cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
     for doc in docs():
         if doc["kind"] not in cluster_scoped:

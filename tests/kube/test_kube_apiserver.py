@@ -19,7 +19,14 @@ from kubernetes.client.exceptions import ApiException
 
 from spotrain.activities.kube_api import instance_id
 from spotrain.workers.webhook.server import NodeNames
-from tests.kube.k8s_cluster import NAMESPACE, ROOT, TOOLS, ControlPlane, control_plane_or_skip
+from tests.kube.k8s_cluster import (
+    NAMESPACE,
+    ROOT,
+    SYSTEM_NAMESPACE,
+    TOOLS,
+    ControlPlane,
+    control_plane_or_skip,
+)
 
 K8S = Path(__file__).resolve().parents[2] / "infra/k8s"
 WEBHOOK = "system:serviceaccount:spotrain:spotrain-webhook"
@@ -93,7 +100,9 @@ def test_a_service_account_token_is_refused_once_its_account_is_deleted(
     apiserver looks the account up in its informer cache, so the deletion takes effect when
     its watch delivers it (a read right after the delete was once still 403: authenticated)."""
     core = client.CoreV1Api(cluster.admin)
-    core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "short-lived"}})
+    core.create_namespaced_service_account(
+        SYSTEM_NAMESPACE, {"metadata": {"name": "short-lived"}}
+    )
     nodes = client.CoreV1Api(cluster.api_client(cluster.service_account_kubeconfig("short-lived")))
 
     def status() -> int:
@@ -102,7 +111,7 @@ def test_a_service_account_token_is_refused_once_its_account_is_deleted(
         return info.value.status
 
     assert status() == 403  # authenticated as the account, which may not read nodes
-    core.delete_namespaced_service_account("short-lived", NAMESPACE)
+    core.delete_namespaced_service_account("short-lived", SYSTEM_NAMESPACE)
     deadline = time.monotonic() + 30
     while (seen := status()) == 403 and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -104,7 +104,7 @@ def test_gang_start_waits_for_every_pod_ready(
     assert pod.spec.containers[0].image == "ghcr.io/example/train:1"
     env = env_of(pod)
     assert env["WORLD_SIZE"] == "3" and env["RANK"] == "1" and env["NODE_RANK"] == "1"
-    assert env["MASTER_ADDR"] == "mnist-g1-0.spotrain-mnist.spotrain.svc"
+    assert env["MASTER_ADDR"] == "mnist-g1-0.spotrain-mnist.spotrain-jobs.svc"
     assert env["SPOTRAIN_CONTROL_FILE"] == "/etc/spotrain/control"
     svc = core.read_namespaced_service("spotrain-mnist", NS)
     assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses

@@ -164,7 +164,7 @@ def test_horovod_hostfile_follows_scale_in_and_out(
     audit: Callable[[], list[Request]],
     ckpt: str,
 ) -> None:
-    svc = "spotrain-mnist.spotrain.svc"
+    svc = "spotrain-mnist.spotrain-jobs.svc"
     run(runtime.start_generation, plan_for(ckpt, generation=1, nodes=3, job_type="horovod"))
     assert hostfile_hosts(core) == [f"mnist-g1-{i}.{svc}:1" for i in range(3)]
     pod = core.read_namespaced_pod("mnist-g1-0", NS)

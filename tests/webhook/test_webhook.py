@@ -11,7 +11,6 @@ test certificate, and the tests check it is never asked for a URL off the SNS ho
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -51,6 +50,7 @@ from tests.webhook.webhook_support import (
     TOKEN,
     TOPIC,
     Jobs,
+    TcpProxy,
     Webhook,
     aws_event,
     eventually,
@@ -308,44 +308,6 @@ async def test_sqs_poller_deletes_only_handled_messages(
 
 
 # --- a Temporal outage: 503, and nothing lost -------------------------------------------------
-
-
-class TcpProxy:
-    """A loopback TCP proxy to the dev server that the test can cut and restore: a real
-    outage as the webhook's gRPC client sees it, without restarting Temporal."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self.flowing = asyncio.Event()  # cleared: Temporal's answers are held back
-        self.flowing.set()
-
-    async def up(self) -> None:
-        self._server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def down(self) -> None:
-        assert self._server
-        self._server.close()
-        for writer in self._writers:
-            writer.close()
-        await self._server.wait_closed()
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._writers |= {writer, up_writer}
-
-        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(ConnectionError, OSError):
-                while data := await src.read(65536):
-                    await self.flowing.wait()
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
 
 
 async def test_a_temporal_that_answers_too_late_is_a_503_that_says_so(

@@ -330,3 +330,41 @@ async def webhook_process(
     finally:
         proc.terminate()
         output.append((await proc.communicate())[0].decode())
+
+
+class TcpProxy:
+    """A loopback TCP proxy to the dev server that the test can cut and restore: a real
+    outage as the webhook's gRPC client sees it, without restarting Temporal."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.flowing = asyncio.Event()  # cleared: Temporal's answers are held back
+        self.flowing.set()
+
+    async def up(self) -> None:
+        self._server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def down(self) -> None:
+        assert self._server
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await src.read(65536):
+                    await self.flowing.wait()
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))

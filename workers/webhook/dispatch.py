@@ -49,7 +49,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from urllib3.exceptions import HTTPError
 
 from spotrain.activities import kube_api
-from spotrain.workers.webhook.events import Ignored, Outcome, outcome_kind
+from spotrain.workers.webhook.events import INSTANCE_ID, Ignored, Outcome, outcome_kind
 from spotrain.workers.webhook.metrics import Metrics
 from spotrain.workflows.contract import NodeLost, ReclaimNotice
 from spotrain.workflows.job import attributes
@@ -99,6 +99,7 @@ class NodeNames:
         self._known: dict[str, str] = {}
 
     async def instance_id(self, name: str) -> str | None:
+        """None for a node it does not know, or one with no instance id."""
         if name not in self._known:
             try:
                 node = await asyncio.to_thread(self._core.read_node, name)
@@ -204,7 +205,10 @@ class Dispatcher:
         }
         try:
             workflow_ids = await self._owners(outcome.node_id, arrived)
-            if not workflow_ids and self._node_names is not None:
+            # an instance id is no node name to look up: a notice for an instance nobody owns
+            # needs no Kubernetes API (nor waits for one that is down)
+            named = not INSTANCE_ID.fullmatch(outcome.node_id)
+            if not workflow_ids and self._node_names is not None and named:
                 instance = await self._node_names.instance_id(outcome.node_id)
                 if instance and instance != outcome.node_id:
                     outcome = outcome.model_copy(update={"node_id": instance})

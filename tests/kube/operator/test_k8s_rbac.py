@@ -7,6 +7,7 @@ the operator's ServiceAccount gets exactly what it needs."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -62,10 +63,25 @@ def can(kubectl: Kubectl, who: str, verb: str, what: str, ns: str = "team-x") ->
     return done.stdout.strip() == "yes"
 
 
-def test_kustomize_base_deploys_with_least_privilege(kubectl: Kubectl) -> None:
+WORKLOADS = ("operator.yaml", "webhook.yaml", "worker.yaml")  # the base's, beside the plane's own
+
+
+@pytest.fixture(name="deployed")
+def deployed_fixture(kubectl: Kubectl) -> Iterator[str]:
+    """`kubectl apply -k infra/k8s`; after the test, its workloads go (the namespaces, accounts
+    and RBAC are the plane's own, which other modules' tests dry-run the Deployments beside)."""
     base = str(ROOT / "infra/k8s")
     kubectl("apply", "-k", base, "--dry-run=server")
-    applied = kubectl("apply", "-k", base).stdout
+    try:
+        yield kubectl("apply", "-k", base).stdout
+    finally:
+        for manifest in WORKLOADS:
+            path = str(ROOT / "infra/k8s" / manifest)
+            kubectl("delete", "-f", path, "--ignore-not-found", "--wait=false")
+
+
+def test_kustomize_base_deploys_with_least_privilege(kubectl: Kubectl, deployed: str) -> None:
+    applied = deployed
     for name in ("spotrain-operator", "spotrain-worker", "spotrain-webhook"):
         assert f"deployment.apps/{name} " in applied, applied
     path = "jsonpath={.items[*].spec.template.spec.containers[*].image}"
