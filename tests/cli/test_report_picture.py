@@ -76,8 +76,24 @@ def test_markers_say_why_the_picture_changes() -> None:
         (200.0, "lost"),
         (260.0, "growth"),
         (300.0, "pause"),
+        (400.0, "resume"),
         (450.0, "fault"),
     ]
+
+
+def test_a_scale_in_and_a_notice_for_a_node_not_training_yet_are_marked() -> None:
+    """A notice for a node that was still booting stops no generation: its `node gone` is
+    the only entry to mark; one for a training member is marked once, at its stop."""
+    r = report()
+    r.timeline = [
+        at(0, "generation started", 2, "2 node(s), world size 2 (was 0)"),
+        at(50, "node gone", 2, "spot i-9: reclaimed"),  # ordered, not a member yet
+        at(80, "generation checkpointed", 2, "reclaim notice for i-0, i-1; resume from step 9"),
+        at(80, "node gone", 2, "spot i-0: reclaimed"),
+        at(80, "node gone", 2, "spot i-1: reclaimed"),
+        at(90, "scale in", 0, "removing i-2; target 1 nodes"),
+    ]
+    assert report_picture.markers(r) == [(50.0, "notice"), (80.0, "notice"), (90.0, "scale in")]
 
 
 def test_progress_is_each_generations_steps_per_second() -> None:
@@ -111,7 +127,10 @@ def test_the_picture_has_four_panels_and_the_legend_outside_them(tmp_path: Path)
         labels = [t.get_text() for t in legend.get_texts()]
         for label in ("reclaim notice", "lost without notice", "growth", "paused", "fault"):
             assert label in labels
-        assert {"cost so far", "all on-demand", "steps/s (generation average)"} <= set(labels)
+        assert {"world size", "spot nodes", "cost so far", "all on-demand"} <= set(labels)
+        assert "steps/s (generation average)" in labels
+        looks = [(h.get_color(), h.get_linestyle()) for h in legend.legend_handles]
+        assert len(set(looks)) == len(looks), dict(zip(labels, looks, strict=True))
         fig.canvas.draw()
         box = legend.get_window_extent()
         assert all(box.x0 >= ax.get_window_extent().x1 for ax in axes)  # beside, not over

@@ -100,9 +100,7 @@ def test_a_service_account_token_is_refused_once_its_account_is_deleted(
     apiserver looks the account up in its informer cache, so the deletion takes effect when
     its watch delivers it (a read right after the delete was once still 403: authenticated)."""
     core = client.CoreV1Api(cluster.admin)
-    core.create_namespaced_service_account(
-        SYSTEM_NAMESPACE, {"metadata": {"name": "short-lived"}}
-    )
+    core.create_namespaced_service_account(SYSTEM_NAMESPACE, {"metadata": {"name": "short-lived"}})
     nodes = client.CoreV1Api(cluster.api_client(cluster.service_account_kubeconfig("short-lived")))
 
     def status() -> int:

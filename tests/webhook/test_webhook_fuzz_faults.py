@@ -126,6 +126,29 @@ async def test_a_well_encoded_notice_is_read(healthy: Webhook, encoding: str) ->
         assert await post(healthy, path, body, headers) == (202, ""), path
 
 
+@pytest.mark.parametrize(
+    ("encoding", "body", "status"),
+    [
+        ("gzip", b"\x1f\x8b" * 64, 400),  # not gzip
+        ("gzip", encoded("gzip", b"{}" + b" " * (128 * 1024)), 413),  # over, once inflated
+        ("identity", b" " * (128 * 1024), 413),
+    ],
+    ids=["undecodable", "inflates-over-the-limit", "over-the-limit"],
+)
+async def test_a_body_left_unread_closes_its_connection(
+    healthy: Webhook, encoding: str, body: bytes, status: int
+) -> None:
+    """Its rest is unread (and may not decode): the refusal says `Connection: close`, so the
+    sender's next notice goes on a new connection (a kept-alive one was closed under it:
+    ServerDisconnectedError, seen in the fuzz above)."""
+    path, notice = NOTICES[0]
+    headers = BEARER | {"Content-Encoding": encoding, "Content-Type": "application/json"}
+    for _ in range(5):
+        async with healthy.http.post(healthy.url + path, data=body, headers=headers) as r:
+            assert (r.status, r.headers.get("Connection")) == (status, "close")
+        assert (await post(healthy, path, json.dumps(notice).encode(), BEARER))[0] == 202
+
+
 # --- dependencies down -----------------------------------------------------------------------
 
 

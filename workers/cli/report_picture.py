@@ -26,9 +26,14 @@ MARKERS = {
     "notice": ("reclaim notice", "tab:orange", "--"),
     "lost": ("lost without notice", "tab:red", "-"),
     "growth": ("growth", "tab:green", ":"),
+    "scale in": ("scale-in", "tab:pink", "--"),
     "pause": ("paused", "tab:gray", "-."),
+    "resume": ("resumed", "tab:gray", ":"),
     "fault": ("fault", "black", "-"),
 }
+# The data lines' colours, none a marker's (each legend entry tells one thing).
+WORLD, STEPS, SPENT, ALL_ON_DEMAND = "tab:blue", "tab:purple", "tab:brown", "tab:olive"
+NODES = {"spot": "tab:cyan", "on-demand": "tab:olive"}
 RESUME = re.compile(r"(?:resume from step|^step) (\d+)")
 
 
@@ -37,30 +42,35 @@ def seconds(report: Report) -> list[float]:
     return [(e.time - start).total_seconds() for e in report.timeline]
 
 
-def marker(event: str, detail: str, world: int, before: int) -> str | None:
+def marker(event: str, detail: str, world: int, before: int, stopped_for: str) -> str | None:
     """Which marker a timeline entry gets, if any (`world`: the trained world size after it,
-    `before`: the last one that trained before it)."""
+    `before`: the last one that trained before it; `stopped_for`: the detail of the last
+    generation stopped for a notice, which already marks its nodes' notices)."""
     if event.startswith("generation ") and detail.startswith("reclaim notice"):
         return "notice"
-    if event == "node gone" and not detail.endswith(": reclaimed"):
-        return "lost"
+    if event == "node gone":
+        if not detail.endswith(": reclaimed"):
+            return "lost"
+        node = detail.removesuffix(": reclaimed").rsplit(" ", 1)[-1]
+        return None if node in stopped_for.split(";")[0].split() else "notice"  # not training
     if event == "generation started" and world > before > 0:
         return "growth"
-    if event == "paused":
-        return "pause"
-    if event == "fault":
-        return "fault"
-    return None
+    return {"scale in": "scale in", "paused": "pause", "resumed": "resume", "fault": "fault"}.get(
+        event
+    )
 
 
 def markers(report: Report) -> list[tuple[float, str]]:
     """(seconds since submission, kind) of every marked entry."""
     out, before = [], 0  # the last world size that trained (a restart drops to 0 between)
+    stopped_for = ""
     for t, e, world in zip(
         seconds(report), report.timeline, trained_world(report.timeline), strict=True
     ):
-        if kind := marker(e.event, e.detail, world, before):
+        if kind := marker(e.event, e.detail, world, before, stopped_for):
             out.append((t, kind))
+        if e.event.startswith("generation ") and e.detail.startswith("reclaim notice"):
+            stopped_for = e.detail.replace(",", " ")
         before = world or before
     return out
 
@@ -131,24 +141,28 @@ def figure(report: Report) -> Any:
     fig, (world, nodes, rate, cost) = plt.subplots(
         4, 1, sharex=True, figsize=(11, 9), layout="constrained"
     )
-    world.step(x, trained_world(report.timeline), where="post", color="tab:blue", lw=2)
+    world.step(
+        x, trained_world(report.timeline), where="post", color=WORLD, lw=2, label="world size"
+    )
     world.set_ylabel("world size")
     world.set_title(
         f"{report.name}: {report.phase}, {report.reclaims} reclaim(s), "
         f"{report.steps_done} steps, {report.steps_lost} lost"
     )
     for lifecycle, counts in nodes_over_time(report).items():
-        nodes.step(x, counts, where="post", label=f"{lifecycle} nodes", lw=2)
+        nodes.step(
+            x, counts, where="post", color=NODES[lifecycle], label=f"{lifecycle} nodes", lw=2
+        )
     nodes.set_ylabel("nodes")
     for s in progress(report):
-        rate.hlines(s.rate, s.start, s.end, color="tab:purple", lw=2)
-    rate.plot([], [], color="tab:purple", lw=2, label="steps/s (generation average)")
+        rate.hlines(s.rate, s.start, s.end, color=STEPS, lw=2)
+    rate.plot([], [], color=STEPS, lw=2, label="steps/s (generation average)")
     rate.set_ylabel("steps / s")
     rate.set_ylim(bottom=0)
     spent = cumulative_cost(report)
     if spent is not None:
-        cost.plot(x, spent[0], color="tab:blue", lw=2, label="cost so far")
-        cost.plot(x, spent[1], color="tab:red", lw=1.5, ls="--", label="all on-demand")
+        cost.plot(x, spent[0], color=SPENT, lw=2, label="cost so far")
+        cost.plot(x, spent[1], color=ALL_ON_DEMAND, lw=1.5, ls="--", label="all on-demand")
     cost.set_ylabel("USD")
     cost.set_xlabel("seconds since submission")
     seen: set[str] = set()

@@ -248,6 +248,15 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
 
+def _unread(status: int, message: str) -> web.Response:
+    """A refusal with the body's rest unread: the connection can carry no next request (kept
+    alive, aiohttp closed it under the sender's next one after failing to drain it: a lost
+    notice to a sender that does not retry a disconnect), so it says Connection: close."""
+    response = _error(status, message)
+    response.force_close()
+    return response
+
+
 def _unavailable(message: str, reason: str) -> web.Response:
     """503: the sender retries (after Retry-After); the log says why."""
     log_event(logging.WARNING, "unavailable", error=message, reason=reason[:300])
@@ -400,7 +409,9 @@ class WebhookService:
             return response
         except RequestPayloadError:  # (a Content-Encoding the body is not in): the sender's fault
             log_event(logging.INFO, "body_undecodable", path=request.path)
-            return _error(400, "request body could not be decoded (check Content-Encoding)")
+            return _unread(400, "request body could not be decoded (check Content-Encoding)")
+        except web.HTTPRequestEntityTooLarge:
+            return _unread(413, f"request body over {self.config.max_body_bytes} bytes")
         auth = self.config.auth
         trusted = check_headers(auth, request.method, request.raw_path, request.headers, body)
         if trusted == "hmac-legacy":
