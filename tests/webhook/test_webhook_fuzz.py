@@ -23,15 +23,13 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.webhook.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, hmac_headers
 from spotrain.workers.webhook.server import SqsPoller
+from tests.webhook.fuzz_bodies import UNKNOWN, bodies
 from tests.webhook.webhook_support import (
     BEARER,
-    CERT_URL,
     HMAC_SECRET,
     INTERRUPTION,
     OPENAPI,
-    STATE_CHANGE,
     TOKEN,
-    TOPIC,
     Jobs,
     Webhook,
     aws_event,
@@ -45,7 +43,7 @@ from tests.webhook.webhook_support import (
 pytestmark = pytest.mark.slow
 
 GUARD = "i-0fuzzguard"  # owned by a running job: no fuzz input may reach it
-UNKNOWN = "i-0fuzzunknown"  # owned by nobody: valid-looking inputs end as 202
+
 PATHS = ["/v1/reclaims", "/v1/events/aws", "/v1/events/kubernetes"]
 FUZZ = settings(
     max_examples=1000,
@@ -59,58 +57,6 @@ async def target(dev_env: WorkflowEnvironment) -> AsyncIterator[tuple[Webhook, A
     """The webhook, a guard job no fuzz input may reach, and the recording jobs' starter."""
     async with recording_worker(dev_env.client) as jobs, running_webhook(dev_env.client) as hook:
         yield hook, await jobs.start(GUARD), jobs
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner),
-    max_leaves=12,
-)
-
-
-def templates(node_id: str) -> list[dict[str, Any]]:
-    """One valid request of each shape, for the mutations below to start from."""
-    return [
-        {"instance_id": node_id, "event_id": "e1", "deadline": "2026-01-01T00:00:00Z"},
-        {"instance_id": node_id, "event_id": "e2", "lost": True},
-        aws_event(INTERRUPTION, node_id),
-        aws_event(STATE_CHANGE, node_id, state="terminated"),
-        {"EventID": "e3", "Kind": "SPOT_ITN", "ProviderID": f"aws:///us-east-1a/{node_id}"},
-        {
-            "Type": "Notification",
-            "TopicArn": TOPIC,
-            "Message": json.dumps(aws_event(INTERRUPTION, node_id)),
-            "SignatureVersion": "2",
-            "SigningCertURL": CERT_URL,
-            "Signature": "AAAA",
-        },
-    ]
-
-
-@st.composite
-def mutated(draw: st.DrawFn, node_id: str) -> bytes:
-    """A valid request with fields replaced, removed, added, or nested under `detail`."""
-    body = dict(draw(st.sampled_from(templates(node_id))))
-    for _ in range(draw(st.integers(0, 3))):
-        key = draw(st.sampled_from([*body, "detail", "kind", "time", "id", "lost"]))
-        action = draw(st.sampled_from(["replace", "delete", "nest"]))
-        if action == "delete":
-            body.pop(key, None)
-        elif action == "nest" and isinstance(body.get("detail"), dict):
-            body["detail"] = {**body["detail"], key: draw(json_values)}
-        else:
-            body[key] = draw(json_values)
-    return json.dumps(body).encode()
-
-
-def bodies(node_id: str) -> st.SearchStrategy[bytes]:
-    return st.one_of(
-        st.binary(max_size=300),
-        json_values.map(lambda v: json.dumps(v).encode()),
-        mutated(node_id),
-        st.just(b"[" * 5000),  # deep nesting
-        st.just(b"{}" + b" " * (64 * 1024)),  # over the size limit
-    )
 
 
 header_values = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80)

@@ -26,7 +26,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.workers.webhook.server import NodeNames
-from tests.webhook.test_webhook_fuzz import UNKNOWN, bodies
+from tests.webhook.fuzz_bodies import UNKNOWN, bodies
 from tests.webhook.webhook_support import (
     BEARER,
     INTERRUPTION,

@@ -42,35 +42,44 @@ def seconds(report: Report) -> list[float]:
     return [(e.time - start).total_seconds() for e in report.timeline]
 
 
-def marker(event: str, detail: str, world: int, before: int, stopped_for: str) -> str | None:
+# Entries marked by their event alone.
+BY_EVENT = {"scale in": "scale in", "paused": "pause", "resumed": "resume", "fault": "fault"}
+
+
+def stopped_for_notice(event: str, detail: str) -> list[str] | None:
+    """The nodes a generation stopped for, if it stopped for a reclaim notice ("reclaim notice
+    for i-0, i-1; resume from step 9")."""
+    if event.startswith("generation ") and detail.startswith("reclaim notice for "):
+        return detail.split(";")[0].removeprefix("reclaim notice for ").split(", ")
+    return None
+
+
+def marker(event: str, detail: str, world: int, before: int, noticed: list[str]) -> str | None:
     """Which marker a timeline entry gets, if any (`world`: the trained world size after it,
-    `before`: the last one that trained before it; `stopped_for`: the detail of the last
-    generation stopped for a notice, which already marks its nodes' notices)."""
-    if event.startswith("generation ") and detail.startswith("reclaim notice"):
+    `before`: the last one that trained before it; `noticed`: the nodes the last generation
+    stopped for a notice named, whose notices that stop already marks)."""
+    if stopped_for_notice(event, detail) is not None:
         return "notice"
     if event == "node gone":
         if not detail.endswith(": reclaimed"):
             return "lost"
         node = detail.removesuffix(": reclaimed").rsplit(" ", 1)[-1]
-        return None if node in stopped_for.split(";")[0].split() else "notice"  # not training
+        return None if node in noticed else "notice"  # a node not training yet
     if event == "generation started" and world > before > 0:
         return "growth"
-    return {"scale in": "scale in", "paused": "pause", "resumed": "resume", "fault": "fault"}.get(
-        event
-    )
+    return BY_EVENT.get(event)
 
 
 def markers(report: Report) -> list[tuple[float, str]]:
     """(seconds since submission, kind) of every marked entry."""
     out, before = [], 0  # the last world size that trained (a restart drops to 0 between)
-    stopped_for = ""
+    noticed: list[str] = []
     for t, e, world in zip(
         seconds(report), report.timeline, trained_world(report.timeline), strict=True
     ):
-        if kind := marker(e.event, e.detail, world, before, stopped_for):
+        if kind := marker(e.event, e.detail, world, before, noticed):
             out.append((t, kind))
-        if e.event.startswith("generation ") and e.detail.startswith("reclaim notice"):
-            stopped_for = e.detail.replace(",", " ")
+        noticed = stopped_for_notice(e.event, e.detail) or noticed
         before = world or before
     return out
 
