@@ -48,6 +48,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from spotrain.activities import kube_live
+from spotrain.activities.checkpoint_check import check_checkpoint
 from spotrain.activities.kube_api import (
     ENDED,
     GANG_ERROR,
@@ -160,6 +161,7 @@ class KubeRuntime(PodApi):
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
+            check_checkpoint,
             self.start_generation,
             self.prepare_generation,
             self.stop_generation,

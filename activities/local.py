@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from temporalio import activity
 
+from spotrain.activities.checkpoint_check import check_checkpoint
 from spotrain.activities.command_launch import launch_command
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.elastic import environment, launcher
@@ -473,6 +474,7 @@ class LocalRuntime:
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
+            check_checkpoint,
             self.start_generation,
             self.prepare_generation,
             self.stop_generation,

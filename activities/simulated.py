@@ -19,6 +19,9 @@ start-up; a checkpoint is taken every `checkpoint_every` steps, and on an elasti
   whole step); the notice's checkpoint is written in the background (it counts once it fits
   in the grace, and nothing waits for it). Joiners get their head start from
   `prepare_generation`; one that had none pays a process start (`restart_cost_s`) as well.
+
+The job's checkpoint location is real all the same: the runtime registers the same
+`check_checkpoint` as the others, so a finished job's location fails a simulated job too.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from datetime import datetime, timedelta
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from spotrain.activities.checkpoint_check import check_checkpoint
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
     CleanupRequest,
@@ -407,6 +411,7 @@ class SimulatedRuntime:
 
     def activities(self) -> list[Callable[..., object]]:
         return [
+            check_checkpoint,
             self.start_generation,
             self.prepare_generation,
             self.stop_generation,

@@ -20,6 +20,7 @@ import asyncio
 import heapq
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -95,7 +96,7 @@ class RecordingRuntime(SimulatedRuntime):
             checkpoint_every=setup.checkpoint_every,
             restart_cost_s=setup.restart_cost_s,
             checkpoint_s=setup.checkpoint_s,
-            live=measured_live_pauses(setup.state_gb, setup.live_results),
+            live=measured_live_pauses(setup.state_gb, setup.live_results)[0],
         )
         self.worlds: list[tuple[datetime, int]] = []
 
@@ -529,8 +530,9 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         dest="live_results",
         default="",
         metavar="PATH",
-        help="live mode's pauses from this bench.live_resize results file (default: "
-        "bench/results/live_resize.json; e.g. bench/results/live_resize_fsdp_25m.json)",
+        help="live mode's pauses from this bench.live_resize results file (default: the "
+        "data-parallel file measured nearest --state-gb; e.g. "
+        "bench/results/live_resize_fsdp_25m.json)",
     )
     p.add_argument("--no-deadline", action="store_true", help="skip the deadline policies")
     p.add_argument("--no-mbb", action="store_true", help="skip the make-before-break rows")
@@ -562,6 +564,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup, args = parse_args(argv)
     logging.getLogger("temporalio").setLevel(logging.ERROR)  # capacity errors are expected
     began = time.monotonic()
+    pauses, pauses_from = measured_live_pauses(setup.state_gb, setup.live_results)
+    print(
+        f"live pauses for {setup.state_gb} GB of state from {pauses_from.name}: {pauses}",
+        file=sys.stderr,
+    )
     modes = ("live", "restart") if args.resize == "both" else (args.resize,)
     log = RowLog(args.out / "goodput_rows.jsonl")
     only = tuple(p for p in args.only.split(",") if p)
@@ -579,7 +586,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "traces": [f"{t.zone}: {len(t.data)} x {t.gap_s:.0f} s" for t in setup.traces],
             "deadline_h": setup.deadline_s() / 3600,
             "total_steps": setup.total_steps,
-            "live_pauses": asdict(measured_live_pauses(setup.state_gb, setup.live_results)),
+            "live_pauses": asdict(pauses),
+            "live_pauses_from": str(pauses_from.relative_to(REPO)),
         },
         "load_average": os.getloadavg(),
         "rows": [r.report(setup, oracle_h, rows[0].idle()) for r in rows],

@@ -66,23 +66,56 @@ def handover_s(state_gb: float, points: Sequence[tuple[float, float]]) -> float:
 
 
 def live_pauses(
-    state_gb: float, medians: dict[str, float], points: Sequence[tuple[float, float]]
+    state_gb: float,
+    medians: dict[str, float],
+    points: Sequence[tuple[float, float]],
+    measured_gb: float = 0.0,
 ) -> LivePauses:
-    """The simulated runtime's live pauses: each kind's measured median (a small model: the
-    pause is the re-forming of the group), growth plus the hand-over of `state_gb` to the
-    joiner."""
+    """The simulated runtime's live pauses: each kind's median as measured on a model of
+    `measured_gb`, growth plus the hand-over of the state beyond that (the measured growth
+    already includes the hand-over of its own state)."""
+    extra = max(0.0, handover_s(state_gb, points) - handover_s(measured_gb, points))
     return LivePauses(
-        growth_s=medians["growth"] + handover_s(state_gb, points),
+        growth_s=medians["growth"] + extra,
         shrink_s=medians["shrink"],
         loss_s=medians["loss"],
     )
 
 
-def measured_live_pauses(state_gb: float, live_results: str = "") -> LivePauses:
+def measured_gb(path: Path) -> float:
+    """The state size (GB) a bench.live_resize results file was measured on (0: the tiny
+    model, whose file states no size)."""
+    settings = json.loads(path.read_text()).get("settings", {})
+    return (settings.get("state_mb") or 0.0) / 1000
+
+
+def live_results_for(state_gb: float, results: Path = RESULTS) -> Path:
+    """The data-parallel live_resize results file (local runtime, with all three live
+    pauses) measured on the state size nearest `state_gb`: a 100M-parameter run's pauses come
+    from the 100M file, not the tiny model's."""
+    candidates = []
+    for path in sorted(results.glob("live_resize*.json")):
+        data = json.loads(path.read_text())
+        settings = data["settings"]
+        kinds = {r["kind"] for r in data["rows"] if r.get("mode") == "live" and "median" in r}
+        if (
+            settings.get("runtime") == "local"
+            and settings.get("example", "ddp") == "ddp"
+            and set(LIVE_KINDS) <= kinds
+        ):
+            candidates.append((abs(measured_gb(path) - state_gb), path.name, path))
+    if not candidates:
+        return results / "live_resize.json"  # (absent too: the medians kept in this module)
+    return min(candidates)[2]
+
+
+def measured_live_pauses(state_gb: float, live_results: str = "") -> tuple[LivePauses, Path]:
     """Live pauses from `live_results` (a bench.live_resize results file, for example a
-    sharded model's; "": bench/results/live_resize.json) and the hand-over sweep."""
-    medians = live_medians(Path(live_results)) if live_results else live_medians()
-    return live_pauses(state_gb, medians, handover_points())
+    sharded model's; "": the file measured nearest `state_gb`) and the hand-over sweep, with
+    the file they came from."""
+    path = Path(live_results) if live_results else live_results_for(state_gb)
+    gb = measured_gb(path) if path.exists() else 0.0
+    return live_pauses(state_gb, live_medians(path), handover_points(), gb), path
 
 
 def lognormal_boot(median_s: float, sigma: float, seed: int) -> Callable[[], float]:

@@ -349,6 +349,7 @@ PREPARE_GENERATION = "prepare_generation"
 STOP_GENERATION = "stop_generation"
 WATCH_GENERATION = "watch_generation"
 CLEANUP_JOB = "cleanup_job"
+CHECK_CHECKPOINT = "check_checkpoint"
 
 # Typed, non-retryable errors activities raise and the workflow acts on.
 CAPACITY_ERROR = "CapacityError"  # this pool cannot serve now: try the next, then on-demand

@@ -26,7 +26,32 @@ def test_handover_scales_with_state_size() -> None:
     assert goodput_live.handover_s(0.55, points) == pytest.approx(0.65)  # linear between
     assert goodput_live.handover_s(2.0, points) == pytest.approx(2.2)  # beyond: 1.1 s per GB
     pauses = goodput_live.live_pauses(2.0, {"growth": 0.2, "shrink": 0.3, "loss": 0.4}, points)
-    assert pauses == LivePauses(growth_s=pytest.approx(2.4), shrink_s=0.3, loss_s=0.4)
+    # measured on the tiny model, whose growth already paid the hand-over's fixed 0.2 s
+    assert pauses == LivePauses(growth_s=pytest.approx(2.2), shrink_s=0.3, loss_s=0.4)
+    # measured on 1 GB already: growth adds only the hand-over of the second GB
+    pauses = goodput_live.live_pauses(2.0, {"growth": 1.5, "shrink": 0.3, "loss": 0.4}, points, 1.0)
+    assert pauses.growth_s == pytest.approx(1.5 + 1.1)
+
+
+def test_live_pauses_come_from_the_file_measured_nearest_the_state_size(tmp_path: Path) -> None:
+    def results(name: str, state_mb: float | None, kinds: list[str], **settings: str) -> None:
+        rows = [{"kind": k, "mode": "live", "median": 1.0} for k in kinds]
+        data = {"settings": {"runtime": "local", "state_mb": state_mb} | settings, "rows": rows}
+        (tmp_path / f"live_resize{name}.json").write_text(json.dumps(data))
+
+    every = list(goodput_live.LIVE_KINDS)
+    results("", None, every)  # the tiny model's
+    results("_100m", 772.0, every)
+    results("_100m_quiet", 772.0, every[:2])  # no loss measured: not a source
+    results("_fsdp_1b", 8000.0, every, example="fsdp")  # a sharded model's: only if asked
+    results("_k8s_1b", 8000.0, every, runtime="kubernetes")
+    pick = [goodput_live.live_results_for(gb, tmp_path).name for gb in (0.0, 0.3, 0.8, 9.0)]
+    assert pick == [
+        "live_resize.json",
+        "live_resize.json",
+        "live_resize_100m.json",
+        "live_resize_100m.json",
+    ]
 
 
 def test_measured_figures_are_read_from_the_results_files(tmp_path: Path) -> None:
@@ -53,11 +78,12 @@ def test_measured_figures_are_read_from_the_results_files(tmp_path: Path) -> Non
     assert goodput_live.live_medians(missing) == goodput_live.LIVE_MEDIANS
     assert goodput_live.handover_points(missing) == goodput_live.HANDOVER_POINTS
     # --live-resize-results: another model's pauses (a sharded one's), the hand-over added
-    pauses = goodput_live.measured_live_pauses(0.08, str(live))
+    pauses, source = goodput_live.measured_live_pauses(0.8, str(live))
+    assert source == live
     assert (pauses.loss_s, pauses.shrink_s) == (0.7, goodput_live.LIVE_MEDIANS["shrink"])
-    assert pauses.growth_s == pytest.approx(
-        0.5 + goodput_live.handover_s(0.08, goodput_live.handover_points())
-    )
+    points = goodput_live.handover_points()
+    handover = goodput_live.handover_s(0.8, points) - goodput_live.handover_s(0.0, points)
+    assert pauses.growth_s == pytest.approx(0.5 + handover)
 
 
 def test_boot_delays_are_lognormal_around_the_median_and_reproducible() -> None:

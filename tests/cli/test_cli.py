@@ -286,6 +286,11 @@ async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) 
     r = await cli("submit", str(write(tmp_path, spec)))
     assert (r.code, "already ran" in r.err, "--resume" in r.err) == (1, True, True), r
     JobStore(spec["checkpoint"]).write_done(120, 0.0)  # as the finished job's ranks did
+    # Renamed but on the finished job's location: it fails before buying a node.
+    renamed = {**spec, "name": f"{name}-again"}
+    r = await cli("submit", str(write(tmp_path, renamed)), "--wait")
+    assert (r.code, "Failed" in r.out, "already finished (step 120)" in r.out) == (1, True, True)
+    assert "node ready" not in r.out and "savings" in r.out and "0%" not in r.out, r
     r = await cli("submit", str(write(tmp_path, spec)), "--resume")
     assert (r.code, "raise total_steps" in r.err) == (2, True), r
     r = await cli(

@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RECORDING = [
     "tests/workflows/test_workflow_scenarios.py",
+    "tests/workflows/test_workflow_basic.py",
     "tests/workflows/test_make_before_break.py",
     "tests/workflows/test_pools.py",
     "tests/chaos/test_crash_points.py",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from temporalio import activity
@@ -12,13 +13,14 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
+from spotrain.elastic.job_store import JobStore
 from spotrain.workflows import contract
 from spotrain.workflows.contract import CleanupRequest, LaunchRequest, NodeInfo
 from spotrain.workflows.history import HISTORY_EVENTS_BEFORE_CONTINUE
 from spotrain.workflows.job import events
 from spotrain.workflows.job.state import JobState
 from spotrain.workflows.spec import parse_spec
-from tests.jobs import job_spec, simulated, skip, until
+from tests.jobs import job_spec, record_history, simulated, skip, until
 
 
 async def test_job_runs_to_completion_and_releases_everything(ts_env: WorkflowEnvironment) -> None:
@@ -74,6 +76,30 @@ async def test_a_launch_that_cannot_work_fails_the_job_with_the_reason(
             await handle.result()
     assert "InvalidInstanceType.NotFound" in str(failure.value.cause)
     assert sim.cloud.running() == [] and sim.runtime.running_generations(handle.id) == []
+
+
+async def test_a_finished_jobs_checkpoint_fails_a_new_job_before_it_buys_a_node(
+    ts_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """A spec renamed but still pointing at a finished job's `checkpoint:` fails at once,
+    saying how to resume, with no node launched (it used to buy them all first)."""
+    checkpoint = (tmp_path / "ckpt").as_uri()
+    JobStore(checkpoint).write_done(600, 0.0)  # the earlier job's ranks finished here
+    async with simulated(ts_env.client) as sim:
+        handle = await sim.start(job_spec(checkpoint=checkpoint))
+        with pytest.raises(WorkflowFailureError) as failure:
+            await handle.result()
+        await record_history(handle, "checkpoint_of_a_finished_job")
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "JobFailed"
+    assert "already finished (step 600)" in cause.message and "--resume" in cause.message
+    assert sim.cloud.launches == [] and sim.runtime.running_generations(handle.id) == []
+    launched = [
+        e
+        async for e in handle.fetch_history_events()
+        if e.activity_task_scheduled_event_attributes.activity_type.name == contract.LAUNCH_NODE
+    ]
+    assert launched == []
 
 
 async def test_total_gpus_are_packed_onto_node_shapes(ts_env: WorkflowEnvironment) -> None:

@@ -73,7 +73,7 @@ class Report(BaseModel):
                 spot=a.cost.get("spot", 0.0),
                 on_demand=a.cost.get("on-demand", 0.0),
                 all_on_demand=a.all_on_demand_cost,
-                savings=a.savings,
+                savings=a.savings if a.all_on_demand_cost else None,  # (no node ran)
                 budget=a.budget_usd,
             ),
             checkpoints=a.checkpoints,

@@ -16,6 +16,7 @@ from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
     from spotrain.workflows.contract import (
+        CHECK_CHECKPOINT,
         CLEANUP_JOB,
         DESCRIBE_NODES,
         FIND_OFFERS,
@@ -99,6 +100,13 @@ async def find_offers(spot: SpotPolicy) -> list[Offer]:
 
 async def describe_nodes(req: DescribeRequest, summary: str) -> list[NodeInfo]:
     return await _run(DESCRIBE_NODES, req, summary, list[NodeInfo], **QUICK_READ)
+
+
+async def check_checkpoint(uri: str) -> None:
+    """Retried while the store is only unreachable (nothing is billed yet); a ConfigError
+    (refused, or a finished job's location) is not retried."""
+    summary = "check the checkpoint location before buying nodes"
+    await _run(CHECK_CHECKPOINT, uri, summary, timeout=QUICK_CALL, heartbeat=None)
 
 
 async def start_generation(plan: GenerationPlan, summary: str) -> None:

@@ -12,12 +12,18 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from spotrain.workflows.contract import StopRequest, StopResult, WatchRequest, WatchResult
+    from spotrain.workflows.contract import (
+        CONFIG_ERROR,
+        StopRequest,
+        StopResult,
+        WatchRequest,
+        WatchResult,
+    )
     from spotrain.workflows.job import calls, job_planner
-    from spotrain.workflows.job.state import JobState, Phase
+    from spotrain.workflows.job.state import JobFailed, JobState, Phase
 
 
 class Ranks:
@@ -26,6 +32,16 @@ class Ranks:
         self.set_phase = set_phase
         self.watching: workflow.ActivityHandle[WatchResult] | None = None
         self.next_watch: datetime | None = None  # when to poll a runtime that answered early
+
+    async def check_location(self) -> None:
+        """Before the first node is bought: a location the job cannot train from (refused,
+        or holding a finished job) fails the job now, not once its nodes are up."""
+        try:
+            await calls.check_checkpoint(self.s.spec.checkpoint)
+        except ActivityError as err:
+            if isinstance(err.cause, ApplicationError) and err.cause.type == CONFIG_ERROR:
+                raise JobFailed(err.cause.message) from None
+            raise
 
     async def start(self, members: list[int]) -> None:
         """Start the next generation on `members` (rank order); an ActivityError means it did

@@ -104,13 +104,16 @@ class TrainingJob:
         )
         self.departures = Departures(s, self.fleet, self.ranks, self.swapper)
         self.alarms = Alarms()
-        if s.submitted_at is None:
+        first = s.submitted_at is None
+        if first:
             s.submitted_at = self._now()
             s.next_check = self._now() + timedelta(seconds=s.spec.elastic.capacity_check_interval_s)
             s.record(self._now(), "submitted", f"target {s.target} nodes")
             if s.spec.pool is not None:
                 self._set_phase(Phase.QUEUED)
         try:
+            if first and workflow.patched("checkpoint-checked-first"):
+                await self.ranks.check_location()
             if await self._drive():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 s.runs += 1
