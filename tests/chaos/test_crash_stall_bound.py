@@ -30,7 +30,7 @@ async def test_a_dead_worker_stalls_no_activity_long(ts_env: WorkflowEnvironment
             )
             name = attrs.activity_type.name
             stall[name] = max(stall.get(name, 0.0), wait.total_seconds())
-    every = {"find_offers", "launch_node", "describe_nodes", "release_nodes"}
+    every = {"find_offers", "launch_node", "describe_nodes", "release_nodes", "check_checkpoint"}
     every |= {"start_generation", "stop_generation", "watch_generation", "cleanup_job"}
     assert set(stall) == every
     slow = {name: s for name, s in stall.items() if s > STALL_BOUND_S}

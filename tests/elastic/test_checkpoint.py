@@ -227,7 +227,7 @@ async def test_job_on_a_missing_bucket_fails_at_start_with_s3s_message(
         with pytest.raises(WorkflowFailureError) as failure:
             await handle.result()
     assert "NoSuchBucket" in str(failure.value.cause)
-    assert "generation 1 failed to start" in str(failure.value.cause)
+    assert "checkpoint location s3://no-such-bucket-here" in str(failure.value.cause)
     assert not list(tmp_path.glob("jobs/*/gen-*/rank-*.pid"))  # no rank was launched
     assert sim.cloud.running() == []
 
