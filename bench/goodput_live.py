@@ -11,6 +11,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from spotrain.activities.simulated import LivePauses
 
@@ -82,10 +83,9 @@ def live_pauses(
     )
 
 
-def measured_gb(path: Path) -> float:
-    """The state size (GB) a bench.live_resize results file was measured on (0: the tiny
-    model, whose file states no size)."""
-    settings = json.loads(path.read_text()).get("settings", {})
+def measured_gb(settings: dict[str, Any]) -> float:
+    """The state size (GB) a bench.live_resize run was measured on, from its settings (0:
+    the tiny model, whose file states no size)."""
     return (settings.get("state_mb") or 0.0) / 1000
 
 
@@ -103,7 +103,7 @@ def live_results_for(state_gb: float, results: Path = RESULTS) -> Path:
             and settings.get("example", "ddp") == "ddp"
             and set(LIVE_KINDS) <= kinds
         ):
-            candidates.append((abs(measured_gb(path) - state_gb), path.name, path))
+            candidates.append((abs(measured_gb(settings) - state_gb), path.name, path))
     if not candidates:
         return results / "live_resize.json"  # (absent too: the medians kept in this module)
     return min(candidates)[2]
@@ -114,7 +114,7 @@ def measured_live_pauses(state_gb: float, live_results: str = "") -> tuple[LiveP
     sharded model's; "": the file measured nearest `state_gb`) and the hand-over sweep, with
     the file they came from."""
     path = Path(live_results) if live_results else live_results_for(state_gb)
-    gb = measured_gb(path) if path.exists() else 0.0
+    gb = measured_gb(json.loads(path.read_text()).get("settings", {})) if path.exists() else 0.0
     return live_pauses(state_gb, live_medians(path), handover_points(), gb), path
 
 

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from spotrain.workflows.contract import (
@@ -39,8 +39,8 @@ class Ranks:
         try:
             await calls.check_checkpoint(self.s.spec.checkpoint)
         except ActivityError as err:
-            if isinstance(err.cause, ApplicationError) and err.cause.type == CONFIG_ERROR:
-                raise JobFailed(err.cause.message) from None
+            if calls.error_type(err) == CONFIG_ERROR:
+                raise JobFailed(str(err.cause)) from None
             raise
 
     async def start(self, members: list[int]) -> None:
