@@ -15,7 +15,7 @@ import pytest
 
 from spotrain.workflows.job.state import JobResult
 from tests.chaos.harness import (
-    CYCLE_SIZES,
+    CYCLE_PLANS,
     FULL,
     ChaosEnv,
     Figures,
@@ -23,6 +23,7 @@ from tests.chaos.harness import (
     check_job,
     member,
     reclaim,
+    replaced,
     running,
     supervise,
     until,
@@ -72,11 +73,12 @@ async def crash_cycle(env: ChaosEnv, point: str, limit: asyncio.Semaphore) -> Fi
         handle = await env.start(env.spec(job))
         before = await until(env, handle, running(4, min_step=20), START_TIMEOUT_S)
         env.arm_file(job).touch()
-        await reclaim(handle, member(before, 1), f"{job}-notice")
-        result, deaths = await supervise(env, handle, worker)
+        victim = member(before, 1)
+        await reclaim(handle, victim, f"{job}-notice")
+        result, deaths = await supervise(env, handle, worker, replaced(victim))
     if point in RECORDED:
         await record_history(handle, f"chaos_{job.replace('-', '_')}")
-    fig = check_job(env, job, sizes=CYCLE_SIZES, sizes_from=before.generation)
+    fig = check_job(env, job, plans=CYCLE_PLANS, sizes_from=before.generation)
     fig.scenario = f"crash at {point}"
     fired = env.fired_file(job)
     if not fired.exists() or deaths != 1:

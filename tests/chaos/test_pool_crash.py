@@ -80,7 +80,7 @@ async def test_pool_controller_killed_mid_preemption_loses_nothing(chaos_env: Ch
     results = outcome.result()
     assert all(isinstance(r, JobResult) and r.phase == "Succeeded" for r in results), results
     assert env.fired_file(QUEUE).read_text() == "before:stop_generation" and deaths == 1
-    low_fig = check_job(env, low, sizes=[4, 2, 4], sizes_from=before.generation)
+    low_fig = check_job(env, low, plans=[[4, 2, 4]], sizes_from=before.generation)
     high_fig = check_job(env, high)
     fig = Figures(
         "pool controller SIGKILL mid-preemption",
