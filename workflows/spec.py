@@ -30,6 +30,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from spotrain.workflows.json_values import (
+    MAX_SCALE_CONFIG_DEPTH,
+    MAX_SCALE_CONFIG_VALUES,
+    json_problem,
+)
+
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?$"
 
 MAX_DURATION_S = 30 * 86_400  # timeouts, grace periods, deadlines, slack: 30 days
@@ -49,8 +55,6 @@ MAX_TRIES = 1_000  # restarts, launch attempts, checkpoints kept
 MAX_PRIORITY = 10**6
 MAX_SLOWDOWN = 1_000
 MAX_LISTED = 100  # instance types, zones, regions, discrete sizes
-MAX_SCALE_CONFIG_VALUES = 10_000
-MAX_SCALE_CONFIG_DEPTH = 8
 # Sizes: the spec is the workflow's input and travels inside its state at every
 # continue-as-new, where Temporal fails a task whose payload passes 2 MB (a 1 MB command wedged
 # a job with its nodes held). The whole spec's JSON stays far below that.
@@ -59,6 +63,7 @@ MAX_ARGS = 1_000  # command's arguments, env's entries
 MAX_ARG_CHARS = 16 * 1024  # one argument or env value
 MAX_NAME_CHARS = 253  # instance types, regions, zones, teams, env names (a DNS name's length)
 MAX_URL_CHARS = 2_048  # image, checkpoint
+MAX_GRADIENT_BYTES = 10**15  # a quadrillion: 250 trillion fp32 parameters
 
 
 def figure(x: float) -> str:
@@ -103,6 +108,7 @@ NodesOrNone = bounded(int, 0, MAX_NODES)  # a count that may be zero
 Tries = bounded(int, 1, MAX_TRIES)
 WorldSizeKey = Annotated[int, Field(ge=1, le=MAX_WORLD)]  # (lax: JSON's keys are text)
 WarningPolicy = Literal["ignore", "shrink", "make_before_break"]
+Placement = Literal["zone", "region", "any"]  # (workflows/policies/locality.py)
 Label = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
 Arg = Annotated[str, Field(max_length=MAX_ARG_CHARS)]
 
@@ -443,6 +449,17 @@ class JobSpec(Strict):
         description="total spend cap in USD: reaching it pauses the job after a checkpoint "
         "(`spotrain budget` raises it); None: no cap",
     )
+    placement: Placement = Field(
+        "zone",
+        description="zone: every node in one zone (hopping to another when its own has no "
+        "spot); region: one region, any zones; any: wherever spot is best, each step's "
+        "all-reduce billed where it crosses zones (docs/guides/placement.md)",
+    )
+    gradient_bytes: bounded(int, 1, MAX_GRADIENT_BYTES) | None = Field(
+        None,
+        description="bytes one step all-reduces (4 x parameters in fp32): prices the traffic "
+        "of a ring across zones; None: not counted",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -545,35 +562,6 @@ def digest(spec: JobSpec) -> str:
     spec with the one its workflow runs by it: an edit the job cannot apply is never silent."""
     body = spec.model_dump_json(exclude={"elastic": {"initial_nodes"}})
     return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def json_problem(root: Any) -> str | None:
-    """What keeps a value from reaching ranks as plain JSON: a type JSON lacks (a YAML date or
-    set), a number that is not finite or beyond 64 bits, nesting or size past the bounds.
-    Iterative, so that a value nested 10,000 deep costs no recursion."""
-    stack: list[tuple[Any, str, int]] = [(root, "", 0)]
-    seen = 0
-    while stack:
-        value, where, depth = stack.pop()
-        seen += 1
-        if seen > MAX_SCALE_CONFIG_VALUES:
-            return f"more than {MAX_SCALE_CONFIG_VALUES:,} values"
-        if depth > MAX_SCALE_CONFIG_DEPTH + 1:  # + 1: the world-size level
-            return f"{where}: nested deeper than {MAX_SCALE_CONFIG_DEPTH} levels"
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str | int) or isinstance(key, bool):
-                    return f"{where or '(top)'}: key {str(key)[:40]!r} is not a string"
-                stack.append((item, f"{where}.{str(key)[:40]}".lstrip("."), depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
-        elif isinstance(value, float) and not math.isfinite(value):
-            return f"{where}: must be a finite number, got {value}"
-        elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 63:
-            return f"{where}: integer beyond 64 bits"
-        elif not isinstance(value, str | int | float | bool | type(None)):
-            return f"{where}: a {type(value).__name__} is not a JSON value"
-    return None
 
 
 class SpecError(ValueError):

@@ -16,13 +16,14 @@ from tests.breaks.edges import (
 from tests.breaks.elastic import HANDOVER_BREAKS, PEER_COPY_BREAKS
 from tests.breaks.model import Break
 from tests.breaks.suite import SUITE_BREAKS
-from tests.breaks.workflows import PLANNER_BREAKS, WARNING_RULE_BREAKS
+from tests.breaks.workflows import PLACEMENT_BREAKS, PLANNER_BREAKS, WARNING_RULE_BREAKS
 
 __all__ = ["BREAKS", "Break"]
 
 BREAKS = (
     WARNING_RULE_BREAKS
     + PLANNER_BREAKS
+    + PLACEMENT_BREAKS
     + AUTH_BREAKS
     + NOTICE_BREAKS
     + EC2_BREAKS

@@ -9,7 +9,10 @@ PJ = _in("workflows/test_planner_job.py")
 PLT = _in("workflows/test_planner.py")
 MBT = _in("workflows/test_make_before_break_planner.py")
 SCH = _in("workflows/test_scheduled_change.py")
+PLC = _in("workflows/test_placement.py")
 JP = "workflows/job/job_planner.py"
+OR = "workflows/job/orders.py"
+LO = "workflows/policies/locality.py"
 PL = "workflows/job/planner.py"
 MB = "workflows/policies/make_before_break.py"
 
@@ -24,7 +27,7 @@ PLANNER_BREAKS = [
     ),
     Break(
         "on-demand type sized to the lost share",
-        JP,
+        OR,
         "return min(fits, key=lambda t: t.on_demand_price).name",
         "return max(fits, key=lambda t: t.gpus).name",
         PJ("test_total_gpus_packs_shares_and_the_fallback_is_sized_to_the_lost_share"),
@@ -136,35 +139,35 @@ PLANNER_BREAKS = [
     ),
     Break(
         "on_demand.fallback",
-        JP,
+        OR,
         "    if not spec.on_demand.fallback:\n        return 0\n",
         "",
         PJ("test_on_demand_room_follows_fallback_max_nodes_base_and_the_pool"),
     ),
     Break(
         "on_demand.max_nodes",
-        JP,
+        OR,
         "max(0, cap - spec.on_demand.base_nodes - used)",
         "max(0, cap - used)",
         PJ("test_on_demand_room_follows_fallback_max_nodes_base_and_the_pool"),
     ),
     Break(
         "on_demand.base_nodes ordered first",
-        JP,
+        OR,
         "missing = max(0, state.spec.on_demand.base_nodes - sum(n.base for n in alive))",
         "missing = 0",
         PJ("test_base_nodes_are_ordered_first_on_demand"),
     ),
     Break(
         "total_gpus share (GPU packing)",
-        JP,
+        OR,
         "        if held[used]:\n",
         "        if False:\n",
         PJ("test_total_gpus_packs_shares_and_the_fallback_is_sized_to_the_lost_share"),
     ),
     Break(
         "gpus_per_node share",
-        JP,
+        OR,
         "return spec.gpus_per_node or 0, spec.gpus_per_node or spec.procs_per_node",
         "return 0, spec.procs_per_node",
         PJ("test_gpus_per_node_and_procs_per_node_set_the_share"),
@@ -178,14 +181,14 @@ PLANNER_BREAKS = [
     ),
     Break(
         "growth never buys on-demand (spot_only)",
-        JP,
+        OR,
         "od_ok = not spot_only and (deadline_od or (owed > 0 and room > 0))",
         "od_ok = deadline_od or (owed > 0 and room > 0)",
         PJ("test_spot_orders_spread_over_zones_then_fall_back_for_what_is_owed"),
     ),
     Break(
         "spot spread over pools (held)",
-        JP,
+        OR,
         "            held[ranked[0]] += 1\n",
         "",
         PJ("test_spot_orders_spread_over_zones_then_fall_back_for_what_is_owed"),
@@ -220,7 +223,7 @@ PLANNER_BREAKS = [
     ),
     Break(
         "spot_price before the market's",
-        JP,
+        OR,
         '        spec_type.spot_price\n        or state.spot_prices.get(f"{instance_type}@{zone}")',
         '        state.spot_prices.get(f"{instance_type}@{zone}")\n        or spec_type.spot_price',
         PJ("test_node_price_spec_then_market_then_on_demand"),
@@ -370,5 +373,51 @@ WARNING_RULE_BREAKS = [
         "return [_scheduled(i, health_event_id(event.id, i), start) for i in instances]",
         "return [_early_warning(i, health_event_id(event.id, i)) for i in instances]",
         SCH("test_aws_payloads_of_scheduled_changes_parse_to_their_own_kind_and_start"),
+    ),
+]
+
+# --- placement: one zone, hops, the bytes a ring sends across zones ---------------------------
+PLACEMENT_BREAKS = [
+    Break(
+        "placement keeps the home zone's offers",
+        LO,
+        "elif not o.zone or unit_of(o.zone, placement, regions) == unit:",
+        "elif True:",
+        PLC("test_placed_keeps_the_offers_of_the_home_zone_or_region"),
+    ),
+    Break(
+        "the home is where most live nodes are",
+        LO,
+        "return next(z for z in held if counts[z] == most)",
+        "return held[-1]",
+        PLC("test_home_is_where_most_live_nodes_are_else_the_best_offered_zone"),
+    ),
+    Break(
+        "a hop only below min_nodes",
+        LO,
+        'if placement == "any" or home is None or held >= min_nodes or state_in_memory:',
+        'if placement == "any" or home is None or state_in_memory:',
+        PLC("test_a_job_hops_only_when_its_zone_cannot_give_it_min_nodes_and_another_can"),
+    ),
+    Break(
+        "the hop hold-down",
+        LO,
+        "if last_hop is not None and now - last_hop < HOP_HOLD_DOWN:",
+        "if False:",
+        PLC("test_the_hold_down_keeps_a_flickering_market_from_making_a_job_flap"),
+    ),
+    Break(
+        "a pool found empty is left out a while",
+        LO,
+        "if now - dry.get(pool_key(o.instance_type, o.zone), now - DRY_FOR) >= DRY_FOR",
+        "if True",
+        PLC("test_a_pool_found_empty_is_left_out_for_a_while"),
+    ),
+    Break(
+        "every crossing link is billed",
+        LO,
+        "across_zones = sum(1 for a, b in links if a != b)",
+        "across_zones = min(1, sum(1 for a, b in links if a != b))",
+        PLC("test_a_ring_bills_the_links_that_cross_zones_and_regions"),
     ),
 ]

@@ -16,7 +16,7 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.cli.report import Report
 from spotrain.workflows.contract import Offer
-from spotrain.workflows.job import job_planner
+from spotrain.workflows.job import job_planner, orders
 from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
 from spotrain.workflows.policies import deadline, deadline_hooks
 from spotrain.workflows.spec import DeadlinePolicy, SpecError, parse_spec
@@ -173,7 +173,7 @@ def test_on_demand_mode_buys_on_demand_and_keeps_it() -> None:
     s = JobState.new(parse_spec(job_spec(on_demand={"fallback": False})))
     s.deadline = deadline.DeadlineState(due=T0, mode="on-demand")
     offered = [Offer(instance_type="p3.2xlarge", zone="us-east-1a", price=0.9)]
-    plan = job_planner.spot_orders(s, offered, 2, Counter(), spot_only=False)
+    plan = orders.spot_orders(s, offered, 2, Counter(), spot_only=False)
     assert [(o.lifecycle, o.fallback) for o in plan.orders] == [("on-demand", True)] * 2
     assert job_planner.capacity_check(s, launching=False) == job_planner.CapacityCheck(False, 0)
     s.members, s.running = [0], True
@@ -193,8 +193,7 @@ def test_on_demand_mode_buys_on_demand_and_keeps_it() -> None:
     s.deadline = s.deadline.model_copy(update={"mode": "spot"})
     assert [n.slot for n in job_planner.swap_back(s)[0]] == [1]
     assert (
-        job_planner.spot_orders(s, offered, 1, Counter(), spot_only=False).orders[0].lifecycle
-        == "spot"
+        orders.spot_orders(s, offered, 1, Counter(), spot_only=False).orders[0].lifecycle == "spot"
     )
 
 

@@ -30,7 +30,7 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.workers.cli.jobs import load_spec
 from spotrain.workers.cli.support import USAGE, CliError
 from spotrain.workflows.contract import Offer
-from spotrain.workflows.job import job_planner, planner
+from spotrain.workflows.job import orders, planner
 from spotrain.workflows.job.state import JobState
 from spotrain.workflows.spec import (
     MAX_DURATION_S,
@@ -258,9 +258,7 @@ def test_ordering_every_node_of_the_largest_job_stays_cheap() -> None:
     )
     offers = [Offer(instance_type="p", zone=f"us-east-1{z}", price=3.0) for z in "abcd"]
     started = time.process_time()
-    planned = job_planner.spot_orders(
-        JobState.new(spec), offers, MAX_NODES, Counter(), spot_only=False
-    )
+    planned = orders.spot_orders(JobState.new(spec), offers, MAX_NODES, Counter(), spot_only=False)
     assert time.process_time() - started < 2.0
     assert len(planned.orders) == MAX_NODES and planned.orders[-1].procs == 5
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spotrain.workflows.contract import Offer, PoolGrant
-from spotrain.workflows.job import events, job_planner
+from spotrain.workflows.job import events, orders
 from spotrain.workflows.job.checkpoints import CheckpointStats
 from spotrain.workflows.job.planner import grace_for_notice
 from spotrain.workflows.job.state import JobState, NodeState, Swap
@@ -69,18 +69,18 @@ def test_a_warning_orders_one_replacement_ahead_within_the_surge() -> None:
     assert plan.action == "order" and [w.node_id for w in plan.swaps] == ["i-1"]
     assert plan.swaps[0].deadline is None
     s.swaps = plan.swaps
-    assert job_planner.shortfall(s) == 1  # the replacement, on top of the 4 held
+    assert orders.shortfall(s) == 1  # the replacement, on top of the 4 held
     assert make_before_break.on_notice(s, warning("i-1"), T0).action == "known"
     # a second warned node has no room left: 5 held is max_nodes 4 + 1
     s.nodes.append(node(4, state=NodeState.REQUESTED))
-    assert job_planner.shortfall(s) == 0
+    assert orders.shortfall(s) == 0
     plan = make_before_break.on_notice(s, warning("i-2"), T0)
     assert plan.action == "no room" and [w.node_id for w in plan.swaps] == ["i-1", "i-2"]
     s.swaps = plan.swaps
-    assert job_planner.shortfall(s) == 0  # ordered once the first swap makes room
+    assert orders.shortfall(s) == 0  # ordered once the first swap makes room
     s.nodes[1].state = NodeState.RELEASED  # i-1 swapped out for i-4
     s.members = [0, 4, 2, 3]
-    assert job_planner.shortfall(s) == 1
+    assert orders.shortfall(s) == 1
 
 
 def test_no_room_at_max_nodes_without_surge_but_room_below_it() -> None:
@@ -237,7 +237,7 @@ def test_never_above_max_nodes_plus_surge_nor_the_grant(
     for event in warned:
         plan = make_before_break.on_notice(s, event, T0)
         s.swaps = plan.swaps
-        for _ in range(job_planner.shortfall(s)):  # the fleet orders what is short
+        for _ in range(orders.shortfall(s)):  # the fleet orders what is short
             s.nodes.append(node(len(s.nodes), state=NodeState.REQUESTED))
         held = sum(n.alive for n in s.nodes)
         assert held <= cap

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spotrain.workflows.contract import Lifecycle, Offer, PoolGrant, ScaleIn, WatchResult
-from spotrain.workflows.job import events, job_planner
+from spotrain.workflows.job import events, job_planner, orders
 from spotrain.workflows.job.state import JobState, NodeRecord, NodeState, Phase
 from spotrain.workflows.spec import parse_spec
 from tests.jobs import job_spec
@@ -67,55 +67,55 @@ def test_total_gpus_packs_shares_and_the_fallback_is_sized_to_the_lost_share() -
     s = state(
         total_gpus=15, elastic={"min_nodes": 1, "max_nodes": 2}, spot={"instance_types": GPU_TYPES}
     )
-    assert job_planner.next_need(s) == (10, 10)
+    assert orders.next_need(s) == (10, 10)
     s.nodes = [node(0, procs=10, itype="g10")]
-    assert job_planner.next_need(s) == (5, 5)  # the 10-GPU share is held: the 5 is next
+    assert orders.next_need(s) == (5, 5)  # the 10-GPU share is held: the 5 is next
     # the 5-GPU share lost is replaced on demand by the cheapest type that holds 5: g8, not g10
-    assert job_planner.on_demand_type(s.spec, job_planner.next_need(s)[0]) == "g8"
+    assert orders.on_demand_type(s.spec, orders.next_need(s)[0]) == "g8"
     s.nodes.append(node(1, procs=5, itype="g8"))
-    assert job_planner.next_need(s) == (10, 10)  # beyond the packing: the largest shape
+    assert orders.next_need(s) == (10, 10)  # beyond the packing: the largest shape
 
 
 def test_gpus_per_node_and_procs_per_node_set_the_share() -> None:
-    assert job_planner.next_need(state(procs_per_node=3)) == (0, 3)
+    assert orders.next_need(state(procs_per_node=3)) == (0, 3)
     s = state(gpus_per_node=8, spot={"instance_types": GPU_TYPES})
-    assert job_planner.next_need(s) == (8, 8)
-    assert job_planner.on_demand_type(s.spec, 8) == "g8"
+    assert orders.next_need(s) == (8, 8)
+    assert orders.on_demand_type(s.spec, 8) == "g8"
 
 
 @given(gpus=st.integers(0, 10))
 def test_on_demand_type_is_the_cheapest_that_fits(gpus: int) -> None:
     spec = state(spot={"instance_types": GPU_TYPES}).spec
-    chosen = spec.instance_type(job_planner.on_demand_type(spec, gpus))
+    chosen = spec.instance_type(orders.on_demand_type(spec, gpus))
     fitting = [t for t in spec.spot.instance_types if t.gpus >= gpus]
     assert chosen.gpus >= gpus
     assert chosen.on_demand_price == min(t.on_demand_price for t in fitting)
 
 
 def test_on_demand_room_follows_fallback_max_nodes_base_and_the_pool() -> None:
-    assert job_planner.on_demand_room(state(on_demand={"fallback": False})) == 0
+    assert orders.on_demand_room(state(on_demand={"fallback": False})) == 0
     s = state(on_demand={"max_nodes": 3, "base_nodes": 1})
     s.nodes = [node(0, "on-demand", base=True), node(1, "on-demand", fallback=True)]
-    assert job_planner.on_demand_room(s) == 1  # 3 - 1 base - 1 fallback in use
+    assert orders.on_demand_room(s) == 1  # 3 - 1 base - 1 fallback in use
     s.nodes[1].state = NodeState.GONE
-    assert job_planner.on_demand_room(s) == 2
+    assert orders.on_demand_room(s) == 2
     pooled = state(pool={"name": "gpus"})
-    assert job_planner.on_demand_room(pooled) == 0  # no grant yet
+    assert orders.on_demand_room(pooled) == 0  # no grant yet
     pooled.grant = PoolGrant(seq=1, nodes=4, on_demand=2)
     pooled.nodes = [node(0, "on-demand", fallback=True)]
-    assert job_planner.on_demand_room(pooled) == 1
+    assert orders.on_demand_room(pooled) == 1
 
 
 def test_node_price_spec_then_market_then_on_demand() -> None:
     s = state()
     s.spot_prices["p3.2xlarge@us-east-1a"] = 0.5  # the spec's spot_price wins over the market's
-    assert job_planner.node_price(s, "spot", "p3.2xlarge", "us-east-1a") == 0.97
-    assert job_planner.node_price(s, "on-demand", "p3.2xlarge", "us-east-1a") == 3.06
+    assert orders.node_price(s, "spot", "p3.2xlarge", "us-east-1a") == 0.97
+    assert orders.node_price(s, "on-demand", "p3.2xlarge", "us-east-1a") == 3.06
     types = [{"name": "m5", "on_demand_price": 0.1}]
     market = state(spot={"instance_types": types})
-    assert job_planner.node_price(market, "spot", "m5", "us-east-1a") == 0.1
+    assert orders.node_price(market, "spot", "m5", "us-east-1a") == 0.1
     market.spot_prices["m5@us-east-1a"] = 0.04
-    assert job_planner.node_price(market, "spot", "m5", "us-east-1a") == 0.04
+    assert orders.node_price(market, "spot", "m5", "us-east-1a") == 0.04
 
 
 # --- ordering nodes ----------------------------------------------------------------------------
@@ -127,26 +127,26 @@ def offers(*pools: tuple[str, str]) -> list[Offer]:
 
 def test_base_nodes_are_ordered_first_on_demand() -> None:
     s = state(on_demand={"base_nodes": 2})
-    short = job_planner.shortfall(s)
+    short = orders.shortfall(s)
     assert short == 4
-    base = job_planner.base_orders(s, short)
+    base = orders.base_orders(s, short)
     assert [(o.lifecycle, o.base) for o in base] == [("on-demand", True)] * 2
     s.phase = Phase.PAUSED
-    assert job_planner.shortfall(s) == 0
+    assert orders.shortfall(s) == 0
 
 
 def test_spot_orders_spread_over_zones_then_fall_back_for_what_is_owed() -> None:
     s = state(on_demand={"max_nodes": 1})
     s.owed = 2
     pools = offers(("p3.2xlarge", "us-east-1a"), ("p3.2xlarge", "us-east-1b"))
-    plan = job_planner.spot_orders(s, pools, 4, Counter(), spot_only=False)
+    plan = orders.spot_orders(s, pools, 4, Counter(), spot_only=False)
     assert [o.zone for o in plan.orders] == ["us-east-1a", "us-east-1b"] * 2
     assert plan.owed == 0 and plan.waiting == 0
     assert [o.on_demand_ok for o in plan.orders] == [True, True, False, False]
-    dry = job_planner.spot_orders(s, [], 3, Counter(), spot_only=False)
+    dry = orders.spot_orders(s, [], 3, Counter(), spot_only=False)
     assert [(o.lifecycle, o.fallback) for o in dry.orders] == [("on-demand", True)]  # max 1
     assert dry.waiting == 2 and dry.owed == 1
-    grow = job_planner.spot_orders(s, [], 3, Counter(), spot_only=True)
+    grow = orders.spot_orders(s, [], 3, Counter(), spot_only=True)
     assert grow.orders == [] and grow.waiting == 3  # growth never buys on-demand
 
 
@@ -163,8 +163,8 @@ def test_spot_orders_never_exceed_the_shortfall_the_debt_or_the_room(
 ) -> None:
     s = state(on_demand={"max_nodes": cap})
     s.owed = owed
-    room = job_planner.on_demand_room(s)
-    plan = job_planner.spot_orders(
+    room = orders.on_demand_room(s)
+    plan = orders.spot_orders(
         s, offers(*(("p3.2xlarge", z) for z in zones)), short, Counter(), spot_only=spot_only
     )
     on_demand = [o for o in plan.orders if o.lifecycle == "on-demand"]
@@ -176,15 +176,20 @@ def test_spot_orders_never_exceed_the_shortfall_the_debt_or_the_room(
         assert not on_demand and plan.waiting == 0  # spot first whenever a pool serves
 
 
-def test_launch_tries_every_pool_then_the_sized_on_demand_type() -> None:
+def test_launch_tries_every_pool_then_the_sized_on_demand_type_in_the_home_zone() -> None:
     pools = [("g8", "a"), ("g10", "b")]
-    assert job_planner.launch_tries("spot", "g8", pools, "g8") == [
+    spot = orders.Order("spot", "g8", 1, pools=pools)
+    assert orders.launch_tries(spot, "g8") == [
         ("g8", "a", "spot"),
         ("g10", "b", "spot"),
         ("g8", None, "on-demand"),
     ]
-    assert job_planner.launch_tries("spot", "g8", pools, None)[-1] == ("g10", "b", "spot")
-    assert job_planner.launch_tries("on-demand", "g1", pools, "g8") == [("g1", None, "on-demand")]
+    assert orders.launch_tries(spot, None)[-1] == ("g10", "b", "spot")
+    on_demand = orders.Order("on-demand", "g1", 1, pools=pools)
+    assert orders.launch_tries(on_demand, "g8") == [("g1", None, "on-demand")]
+    homed = orders.Order("spot", "g8", 1, pools=[("g8", "a")], home="a")
+    assert orders.launch_tries(homed, "g8")[-1] == ("g8", "a", "on-demand")
+    assert orders.Order("on-demand", "g1", 1, home="a").zone == "a"
 
 
 # --- starting a generation ---------------------------------------------------------------------

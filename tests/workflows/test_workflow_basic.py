@@ -35,8 +35,9 @@ async def test_job_runs_to_completion_and_releases_everything(ts_env: WorkflowEn
     assert sim.cloud.running() == []
     assert len(sim.cloud.launches) == 4
     assert all(launch.lifecycle == "spot" for launch in sim.cloud.launches)
-    # Diversified over both zones instead of piling into one.
-    assert {launch.zone for launch in sim.cloud.launches} == {"us-east-1a", "us-east-1b"}
+    # One zone (placement: zone, the default): the job's all-reduce never crosses zones.
+    assert {launch.zone for launch in sim.cloud.launches} == {"us-east-1a"}
+    assert result.transfer.zone_gb == 0
     # 36,000 steps at 4 nodes x 3,600 steps/h = 2.5 h of 4 nodes (+ 60 s start-up).
     assert 9.9 < result.node_hours["spot"] < 10.5
     assert result.cost["on-demand"] == 0

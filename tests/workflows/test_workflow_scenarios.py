@@ -184,9 +184,10 @@ class StaleOffers(SimulatedCloud):
 async def test_capacity_error_falls_over_to_the_next_pool_then_on_demand(
     dev_env: WorkflowEnvironment,
 ) -> None:
+    """`placement: any`: a node goes to the next pool, in any zone, then to on-demand."""
     b_capacity = {"us-east-1a": 1000, "us-east-1b": 2}
     cloud = StaleOffers(capacity=lambda _t, zone, _w: b_capacity[zone])
-    spec = fast_spec(total_steps=10**6, on_demand={"max_nodes": 2})
+    spec = fast_spec(total_steps=10**6, on_demand={"max_nodes": 2}, placement="any")
     async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
         handle = await sim.start(spec)
         status = await until(sim, handle, running_at(4))
@@ -194,6 +195,22 @@ async def test_capacity_error_falls_over_to_the_next_pool_then_on_demand(
     launched = [(launch.lifecycle, launch.zone) for launch in sim.cloud.launches]
     assert sorted(launched) == [("on-demand", None)] * 2 + [("spot", "us-east-1b")] * 2
     assert all(n.zone != "us-east-1a" for n in status.nodes if n.lifecycle == "spot")
+
+
+async def test_a_zone_whose_pools_turn_out_empty_is_left_for_one_that_serves(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    """`placement: zone`: zone a's offers are stale (its launches find no capacity), so its
+    pools count as dry and the job, holding nothing, buys every node in zone b instead of
+    retrying zone a for ever or spreading over both."""
+    cloud = StaleOffers()
+    spec = fast_spec(total_steps=10**6, on_demand={"fallback": False})
+    async with simulated(dev_env.client, cloud=cloud, runtime=fast_runtime()) as sim:
+        handle = await sim.start(spec)
+        status = await until(sim, handle, running_at(4))
+        await handle.cancel()
+    assert {launch.zone for launch in sim.cloud.launches} == {"us-east-1b"}
+    assert {n.zone for n in status.nodes if n.state == "ready"} == {"us-east-1b"}
 
 
 async def test_opportunistic_scale_out_when_spot_capacity_appears(

@@ -34,6 +34,8 @@ class Cost(BaseModel):
     all_on_demand: float | None = None
     savings: float | None = None
     budget: float | None = Field(None, description="the job's spend cap, if it has one")
+    transfer: float = Field(0.0, description="the rings' traffic across zones (in `total`)")
+    transfer_gb: float = Field(0.0, description="GB sent across zones")
 
 
 class Report(BaseModel):
@@ -75,6 +77,8 @@ class Report(BaseModel):
                 all_on_demand=a.all_on_demand_cost,
                 savings=a.savings if a.all_on_demand_cost else None,  # (no node ran)
                 budget=a.budget_usd,
+                transfer=a.transfer.cost,
+                transfer_gb=a.transfer.zone_gb,
             ),
             checkpoints=a.checkpoints,
             deadline=a.deadline,
@@ -126,6 +130,9 @@ def tables(report: Report) -> Group:
         f"{hours.get('on-demand', 0):.3f}" if hours else "-",
         _usd(report.cost.on_demand),
     )
+    if report.cost.transfer_gb:
+        gb = f"{report.cost.transfer_gb:,.1f} GB"
+        cost.add_row("across zones", gb, _usd(report.cost.transfer))
     cost.add_row("total", "", _usd(report.cost.total))
     cost.add_row("all on-demand", "", _usd(report.cost.all_on_demand))
     savings = report.cost.savings

@@ -51,6 +51,11 @@ def status_view(s: JobStatus) -> Group:
         f"(target {s.target_nodes} nodes)   step {s.step}/{s.total_steps} "
         f"(checkpoint {s.checkpoint_step})   cost so far ${s.cost_so_far:,.2f}"
         + (f" (budget ${s.budget_usd:,.2f})" if s.budget_usd is not None else "")
+        + (
+            f" (of it ${s.transfer.cost:,.2f} for {s.transfer.zone_gb:,.1f} GB across zones)"
+            if s.transfer.zone_gb
+            else ""
+        )
         + f"\nreclaims {s.reclaims}   faults {s.faults}   resizes {s.resizes}   "
         f"steps lost {s.steps_lost}"
         + (f"\n[red]{s.failure}[/]" if s.failure else "")

@@ -26,10 +26,11 @@ with workflow.unsafe.imports_passed_through():
         Offer,
         ReleaseRequest,
     )
-    from spotrain.workflows.job import calls, job_planner
-    from spotrain.workflows.job.job_planner import Order, Pool
+    from spotrain.workflows.job import calls, orders
+    from spotrain.workflows.job.orders import Order
     from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
-    from spotrain.workflows.policies import make_before_break
+    from spotrain.workflows.policies import locality, make_before_break
+    from spotrain.workflows.spec import Placement
 
 
 def unless_cancelled(err: ActivityError) -> None:
@@ -48,25 +49,46 @@ class Fleet:
 
     async def reconcile(self, *, spot_only: bool = False) -> None:
         """Order nodes until the job holds what it may (base on-demand first, then spot, then
-        on-demand fallback for the nodes it is owed)."""
+        on-demand fallback for the nodes it is owed), all in its home zone or region unless
+        its placement is `any`; first hop if its home cannot serve it."""
         s = self.s
-        short = job_planner.shortfall(s)
+        short = orders.shortfall(s)
         if short <= 0:
             return
-        base = job_planner.base_orders(s, short)
+        # (before the patch every job bought anywhere, base nodes before any offer was seen)
+        placement = s.spec.placement if workflow.patched("zone-placement") else "any"
+        where = None
+        if placement != "any":
+            where = await self._placed(placement)
+            short = orders.shortfall(s)  # (a hop released the nodes it held)
+        base = orders.base_orders(s, short, where.home if where else None)
         for order in base:
             self._order(order)
         short -= len(base)
         if short <= 0:
             return
-        held = job_planner.spot_held(s)
-        offers = make_before_break.away_from_warned(s, await self.find_offers())
-        plan = job_planner.spot_orders(s, offers, short, held, spot_only=spot_only)
+        held = orders.spot_held(s)
+        if where is None:
+            where = orders.Placed(None, await self.find_offers())
+        offers = make_before_break.away_from_warned(s, where.offers)
+        plan = orders.spot_orders(s, offers, short, held, spot_only=spot_only, home=where.home)
         for order in plan.orders:
             self._order(order)
         s.owed = plan.owed
         if plan.waiting:
             s.record(workflow.now(), "waiting for capacity", f"{plan.waiting} node(s) short")
+
+    async def _placed(self, placement: Placement) -> orders.Placed:
+        """The offers around the job's home; after a hop, its idle nodes gone."""
+        s = self.s
+        offers = await self.find_offers()
+        where = orders.placed(s, offers, placement, workflow.now(), launching=bool(self.launches))
+        if where.hop is not None:
+            s.hops += 1
+            s.last_hop_at = workflow.now()
+            s.record(workflow.now(), "zone hop", f"to {where.hop.to}: {where.hop.why}")
+            await self.release([n for n in s.nodes if n.alive], f"hop to {where.hop.to}")
+        return where
 
     def _order(self, order: Order) -> None:
         s = self.s
@@ -84,17 +106,17 @@ class Fleet:
         )
         s.nodes.append(node)
         s.next_slot += 1
-        task = asyncio.create_task(self._launch(node, order.pools, order.on_demand_ok))
+        task = asyncio.create_task(self._launch(node, order))
         self.launches[node.slot] = task
         task.add_done_callback(lambda _: self.launches.pop(node.slot, None))
 
-    async def _launch(self, node: NodeRecord, pools: list[Pool], on_demand_ok: bool) -> None:
+    async def _launch(self, node: NodeRecord, order: Order) -> None:
         """Try each spot pool in turn, then on-demand if allowed; capacity errors move on."""
         s = self.s
         fallback_type = None
-        if on_demand_ok and node.lifecycle == "spot":  # sized to the share it stands in for
-            fallback_type = job_planner.on_demand_type(s.spec, job_planner.next_need(s)[0])
-        tries = job_planner.launch_tries(node.lifecycle, node.instance_type, pools, fallback_type)
+        if order.on_demand_ok and node.lifecycle == "spot":  # sized to the share it stands in for
+            fallback_type = orders.on_demand_type(s.spec, orders.next_need(s)[0])
+        tries = orders.launch_tries(order, fallback_type)
         for i, (itype, zone, lifecycle) in enumerate(tries):
             node.instance_type, node.zone, node.lifecycle = itype, zone, lifecycle
             node.fallback = node.fallback or (lifecycle == "on-demand" and not node.base)
@@ -107,6 +129,10 @@ class Fleet:
             except ActivityError as err:
                 node.attempt += 1
                 if calls.error_type(err) == CAPACITY_ERROR:
+                    if lifecycle == "spot" and zone:  # (placement leaves it out a while)
+                        now = workflow.now()
+                        s.dry_pools = locality.still_dry(s.dry_pools, now)
+                        s.dry_pools[locality.pool_key(itype, zone)] = now
                     continue
                 s.record(workflow.now(), "launch failed", f"slot {node.slot}: {err.cause}")
                 if calls.error_type(err) == CONFIG_ERROR:  # will not heal by retrying: say so
@@ -146,7 +172,7 @@ class Fleet:
         node.instance_type = info.instance_type
         node.state = NodeState.READY
         node.ready_at = workflow.now()
-        node.price = job_planner.node_price(s, node.lifecycle, info.instance_type, info.zone)
+        node.price = orders.node_price(s, node.lifecycle, info.instance_type, info.zone)
         s.record(
             workflow.now(),
             "node ready",

@@ -9,17 +9,13 @@ they build on (allowed sizes, member order, spot pool ranking, GPU packing) are 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
 from spotrain.workflows.contract import (
     GenerationPlan,
-    Lifecycle,
     Member,
-    Offer,
     PoolGrant,
     PoolReport,
     ScaleIn,
@@ -27,165 +23,10 @@ from spotrain.workflows.contract import (
 )
 from spotrain.workflows.job import planner
 from spotrain.workflows.job.events import Event, Lost, Reclaim
+from spotrain.workflows.job.orders import next_need
 from spotrain.workflows.job.state import JobState, NodeRecord, NodeState, Phase
-from spotrain.workflows.policies import deadline, make_before_break
+from spotrain.workflows.policies import deadline
 from spotrain.workflows.spec import JobSpec
-
-Pool = tuple[str, str]  # (instance type, zone)
-
-# --- the next node's shape ---------------------------------------------------------------------
-
-
-def need(spec: JobSpec, held_procs: Iterable[int]) -> tuple[int, int]:
-    """(GPUs, processes) of the next node ordered, given the processes of the live nodes.
-    With `total_gpus`, the first share of the packing no live node holds yet (15 over
-    {10, 8}: 10, then 5); a node beyond the packing (user scale-out) gets the largest shape."""
-    if spec.total_gpus is None:
-        return spec.gpus_per_node or 0, spec.gpus_per_node or spec.procs_per_node
-    shapes = [t.gpus for t in spec.spot.instance_types]
-    held = Counter(held_procs)
-    for _, used in planner.pack_gpus(spec.total_gpus, shapes):
-        if held[used]:
-            held[used] -= 1
-        else:
-            return used, used
-    return max(shapes), max(shapes)
-
-
-def next_need(state: JobState) -> tuple[int, int]:
-    return need(state.spec, (n.procs for n in state.nodes if n.alive))
-
-
-def on_demand_type(spec: JobSpec, gpus: int) -> str:
-    """An on-demand node sized to the share it stands in for: the cheapest type with `gpus`."""
-    fits = [t for t in spec.spot.instance_types if t.gpus >= gpus]
-    return min(fits, key=lambda t: t.on_demand_price).name
-
-
-def on_demand_room(state: JobState) -> int:
-    """How many more on-demand fallback nodes the policy (and the pool's grant) allow."""
-    spec = state.spec
-    if not spec.on_demand.fallback:
-        return 0
-    cap = spec.on_demand.max_nodes
-    used = sum(1 for n in state.nodes if n.alive and n.lifecycle == "on-demand" and not n.base)
-    room = 10**6 if cap is None else max(0, cap - spec.on_demand.base_nodes - used)
-    if spec.pool is not None:  # the pool's on-demand allowance counts the base too
-        used_all = sum(1 for n in state.nodes if n.alive and n.lifecycle == "on-demand")
-        room = min(room, max(0, (state.grant.on_demand if state.grant else 0) - used_all))
-    return room
-
-
-def node_price(state: JobState, lifecycle: Lifecycle, instance_type: str, zone: str) -> float:
-    """USD/h of a node just bought: the spec's spot price, else the market's, else on-demand."""
-    spec_type = state.spec.instance_type(instance_type)
-    if lifecycle == "on-demand":
-        return spec_type.on_demand_price
-    return (
-        spec_type.spot_price
-        or state.spot_prices.get(f"{instance_type}@{zone}")
-        or spec_type.on_demand_price
-    )
-
-
-# --- ordering nodes ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Order:
-    """One node to buy: spot from `pools` (best first), else on-demand `instance_type`."""
-
-    lifecycle: Lifecycle
-    instance_type: str
-    procs: int
-    pools: list[Pool] = field(default_factory=list)
-    base: bool = False
-    fallback: bool = False
-    on_demand_ok: bool = False  # a spot order may fall back to on-demand if every pool fails
-
-    @property
-    def zone(self) -> str | None:
-        return self.pools[0][1] if self.pools else None
-
-
-@dataclass(frozen=True)
-class SpotOrders:
-    orders: list[Order]
-    owed: int  # nodes still owed an on-demand fallback afterwards
-    waiting: int  # nodes it could not order now (0: none)
-
-
-def shortfall(state: JobState) -> int:
-    """Nodes to order now so the job holds what it is allowed, with the replacements ordered
-    ahead of warned nodes (0 while paused)."""
-    if state.phase == Phase.PAUSED:
-        return 0
-    return max(0, make_before_break.wanted(state) - sum(1 for n in state.nodes if n.alive))
-
-
-def base_orders(state: JobState, short: int) -> list[Order]:
-    """The on-demand base nodes missing, ordered before anything else."""
-    alive = [n for n in state.nodes if n.alive]
-    missing = max(0, state.spec.on_demand.base_nodes - sum(n.base for n in alive))
-    procs = [n.procs for n in alive]
-    orders = []
-    for _ in range(min(missing, short)):
-        gpus, p = need(state.spec, procs)
-        orders.append(Order("on-demand", on_demand_type(state.spec, gpus), p, base=True))
-        procs.append(p)
-    return orders
-
-
-def spot_held(state: JobState) -> Counter[Pool]:
-    """The job's live spot nodes per (type, zone) pool: new ones spread over pools."""
-    return Counter(
-        (n.instance_type, n.zone or "") for n in state.nodes if n.alive and n.lifecycle == "spot"
-    )
-
-
-def spot_orders(
-    state: JobState, offers: list[Offer], short: int, held: Counter[Pool], *, spot_only: bool
-) -> SpotOrders:
-    """`short` more nodes: spot in the snuggest pool that fits each node's share, spread over
-    pools; failing that, on-demand for the nodes the job is owed, within the on-demand room
-    (never with `spot_only`, the opportunistic growth); else wait for capacity."""
-    gpus = {t.name: t.gpus for t in state.spec.spot.instance_types}
-    held = Counter(held)
-    procs = [n.procs for n in state.nodes if n.alive]
-    room = on_demand_room(state)
-    owed = state.owed
-    deadline_od = deadline.on_demand(state.deadline)  # the deadline policy buys on-demand
-    pools = [] if deadline_od else [(o.instance_type, o.zone) for o in offers]
-    orders: list[Order] = []
-    for i in range(short):
-        share, p = need(state.spec, procs)
-        od_ok = not spot_only and (deadline_od or (owed > 0 and room > 0))
-        ranked = planner.spot_pools(pools, gpus, share, held)
-        if ranked:
-            held[ranked[0]] += 1
-            orders.append(Order("spot", ranked[0][0], p, pools=ranked, on_demand_ok=od_ok))
-        elif od_ok:
-            orders.append(Order("on-demand", on_demand_type(state.spec, share), p, fallback=True))
-            room -= 1
-        else:
-            return SpotOrders(orders, owed, short - i)
-        procs.append(p)
-        owed = max(0, owed - 1)
-    return SpotOrders(orders, owed, 0)
-
-
-def launch_tries(
-    lifecycle: Lifecycle, instance_type: str, pools: list[Pool], fallback_type: str | None
-) -> list[tuple[str, str | None, Lifecycle]]:
-    """(type, zone, lifecycle) to try in turn for one node: each spot pool, then on-demand of
-    `fallback_type` if given; an on-demand order tries only its own type."""
-    if lifecycle == "on-demand":
-        return [(instance_type, None, "on-demand")]
-    tries: list[tuple[str, str | None, Lifecycle]] = [(t, z, "spot") for t, z in pools]
-    if fallback_type is not None:
-        tries.append((fallback_type, None, "on-demand"))
-    return tries
-
 
 # --- starting a generation ---------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from spotrain.workflows.job.checkpoints import CheckpointReport, CheckpointStats
 from spotrain.workflows.job.events import Event
 from spotrain.workflows.policies.budget import BudgetState
 from spotrain.workflows.policies.deadline import DeadlineState
+from spotrain.workflows.policies.locality import ring_crossing
 from spotrain.workflows.policies.stragglers import Straggler
 from spotrain.workflows.spec import JobSpec, digest
 
@@ -193,6 +194,14 @@ class JobState(BaseModel):
     stragglers: list[Straggler] = Field(
         default_factory=list, description="slow or hung ranks of the running generation"
     )
+    last_hop_at: datetime | None = Field(None, description="when the job last changed zone")
+    hops: int = Field(0, description="zone (or region) changes (placement)")
+    dry_pools: dict[str, datetime] = Field(
+        default_factory=dict, description="'type@zone' -> when a launch there found no capacity"
+    )
+    transfer: Transfer = Field(
+        default_factory=lambda: Transfer(), description="the rings' traffic across zones"
+    )
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -234,13 +243,37 @@ class JobState(BaseModel):
             if self.checkpoint_step > self.generation_checkpoint:
                 self.restarts = 0
         if w.step is not None and w.step > self.step:
+            self.bill_steps(w.step)
             self.step = w.step
             self.progress_at = now
+
+    def bill_steps(self, step: int) -> None:
+        """Add the traffic that the running generation's steps since `self.step` sent across
+        zones (`spec.gradient_bytes` per step's all-reduce, over a ring in rank order): the
+        bill counts every step run, a step later lost and redone twice."""
+        if not self.running or step <= self.step or self.spec.gradient_bytes is None:
+            return
+        zones = [n.zone or "" for n in self.member_nodes]
+        per_step = ring_crossing(zones, self.spec.gradient_bytes, self.spec.spot.regions)
+        k = step - self.step
+        t = self.transfer
+        self.transfer = Transfer(
+            zone_gb=t.zone_gb + k * per_step.zone_gb,
+            region_gb=t.region_gb + k * per_step.region_gb,
+            cost=t.cost + k * per_step.cost,
+        )
+
+    def spend(self, now: datetime) -> float:
+        """USD so far: the nodes' hours at their prices, and the traffic across zones."""
+        return sum(self.costs(now)[1].values()) + self.transfer.cost
 
     def note_stopped(self, result: StopResult) -> None:
         """The generation stopped: the job resumes from its latest checkpoint, and the steps
         done since are lost: counted from the step the ranks reached (the runtime's word),
         not the last one a watch saw, which lags it by up to a report interval."""
+        reached = (result.step or self.spec.total_steps) if result.done else result.step
+        if reached is not None:
+            self.bill_steps(reached)
         self.running = False
         if result.done:  # (a resize decided just as the last step ran: nothing was lost)
             self.finished = True
@@ -381,7 +414,7 @@ class JobState(BaseModel):
     def accounts(self, now: datetime) -> dict[str, Any]:
         """What `status` and the final result both report: outcome counts and cost."""
         hours, cost, all_on_demand = self.costs(now)
-        total = sum(cost.values())
+        total = sum(cost.values()) + self.transfer.cost
         return {
             "name": self.spec.name,
             "phase": self.phase,
@@ -393,6 +426,7 @@ class JobState(BaseModel):
             "steps_lost": self.steps_lost,
             "node_hours": {k: round(v, 6) for k, v in hours.items()},
             "cost": {k: round(v, 6) for k, v in cost.items()},
+            "transfer": self.transfer.rounded(),
             "total_cost": round(total, 6),
             "all_on_demand_cost": round(all_on_demand, 6),
             "savings": round(1 - total / all_on_demand, 6) if all_on_demand else 0.0,
@@ -408,6 +442,22 @@ class JobState(BaseModel):
             self.spec.elastic.graceful_shutdown_timeout_s,
             self.losses,
             (now - self.submitted_at).total_seconds() if self.submitted_at else 0.0,
+        )
+
+
+class Transfer(BaseModel):
+    """Bytes the job's rings sent across zones (of them, across regions), and what EC2 bills
+    for them (workflows/policies/locality.py)."""
+
+    zone_gb: float = 0.0
+    region_gb: float = 0.0
+    cost: float = 0.0
+
+    def rounded(self) -> Transfer:
+        return Transfer(
+            zone_gb=round(self.zone_gb, 3),
+            region_gb=round(self.region_gb, 3),
+            cost=round(self.cost, 6),
         )
 
 
@@ -436,7 +486,10 @@ class JobAccounts(BaseModel):
     steps_lost: int
     node_hours: dict[str, float]
     cost: dict[str, float]
-    total_cost: float
+    transfer: Transfer = Field(
+        default_factory=lambda: Transfer(), description="traffic across zones: GB and USD"
+    )
+    total_cost: float = Field(description="the nodes' cost and the transfer's")
     all_on_demand_cost: float
     savings: float = Field(description="fraction saved versus all on-demand")
     checkpoints: CheckpointReport | None = None

@@ -20,7 +20,7 @@ def active(s: JobState) -> bool:
 
 def spent(s: JobState, now: datetime) -> float:
     """USD spent so far: the job's own accounts, as `status` shows them."""
-    return sum(s.costs(now)[1].values())
+    return s.spend(now)
 
 
 def check(s: JobState, now: datetime) -> str | None:

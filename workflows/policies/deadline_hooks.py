@@ -23,7 +23,7 @@ def observe(s: JobState, now: datetime) -> None:
 def check(s: JobState, now: datetime) -> None:
     """Decide spot or on-demand from the slack; a switch goes on the timeline with its
     reason, and a move to on-demand asks for every node the job may hold (bought on-demand:
-    `job_planner.spot_orders`; spot comes back through the capacity check's swap)."""
+    `orders.spot_orders`; spot comes back through the capacity check's swap)."""
     policy = s.spec.deadline
     if policy is None:
         return

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from spotrain.workflows.job import job_planner
+from spotrain.workflows.job import orders
 from spotrain.workflows.job.state import JobState, NodeRecord
 from spotrain.workflows.policies.make_before_break import NOTICE_MARGIN_S, checkpoint_s
 
@@ -83,7 +83,7 @@ def case_for(state: JobState, node: NodeRecord) -> Case:
     return Case(
         p=e.warning_reclaim_probability,
         members_price_h=sum(n.price for n in state.member_nodes),
-        surge_price_h=job_planner.node_price(state, "spot", node.instance_type, zone),
+        surge_price_h=orders.node_price(state, "spot", node.instance_type, zone),
         pause_s=PAUSE_S[e.resize],
         boot_s=BOOT_S,
         notice_swaps=e.reclaim_notice == "make_before_break" and swap_window >= BOOT_S,

@@ -1,0 +1,172 @@
+"""Where a job's nodes may be, and what a ring across zones costs: pure functions.
+
+A data-parallel job all-reduces its gradients every step. Across zones every byte is billed
+(EC2: USD 0.01/GB in each direction, so 0.02 per GB that crosses) and the ring runs at the
+pace of its slowest link, so by default (`placement: zone`) a job keeps every node in one zone,
+its home. The home is where its live nodes are; a job with none picks the zone whose spot
+offers look best (placement score, then how many pools, then price). `region` keeps it in one
+region, and `any` lets it go wherever spot is best, paying for the bytes.
+
+A job whose home cannot give it `min_nodes` hops: the idle nodes it holds there go, and it
+buys in the zone that can serve (`hop_to`); a pool where a launch found no capacity counts as
+offering nothing for `DRY_FOR`. It hops at most once per `HOP_HOLD_DOWN`, so a
+flickering market cannot make it flap, and never while ranks hold its state in memory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from spotrain.workflows.contract import Offer
+from spotrain.workflows.spec import Placement
+
+# EC2's data transfer prices (aws.amazon.com/ec2/pricing/on-demand, "Data Transfer"): between
+# zones of a region USD 0.01/GB out of one and 0.01/GB into the other; between US regions
+# USD 0.02/GB out (in is free).
+CROSS_ZONE_USD_PER_GB = 0.02
+CROSS_REGION_USD_PER_GB = 0.02
+HOP_HOLD_DOWN = timedelta(minutes=30)
+# A pool where a launch found no capacity is left out this long: EC2's offers come from price
+# history, which lists a pool whether or not it has capacity, and a job kept in one zone would
+# otherwise try the same empty pools for ever instead of hopping.
+DRY_FOR = timedelta(minutes=10)
+GB = 1e9
+
+
+def region_of(zone: str, regions: Sequence[str]) -> str:
+    """A zone's region: the longest of `regions` its name starts with (us-west-2-lax-1a is
+    in us-west-2), else the name less its last letter."""
+    owners = [r for r in regions if zone.startswith(r)]
+    return max(owners, key=len) if owners else zone[:-1]
+
+
+def unit_of(zone: str, placement: Placement, regions: Sequence[str]) -> str:
+    """What `placement` keeps a job inside: the zone itself, or its region."""
+    return region_of(zone, regions) if placement == "region" else zone
+
+
+def home_zone(held: Sequence[str], offers: Sequence[Offer]) -> str | None:
+    """The zone the job stays in: where most of its live nodes are (`held`, in slot order;
+    a tie goes to the earliest), else the zone whose offers look best; None: nowhere yet."""
+    if held:
+        counts = Counter(held)
+        most = max(counts.values())
+        return next(z for z in held if counts[z] == most)
+    zones = {o.zone for o in offers if o.zone}
+    if not zones:
+        return None
+    return min(zones, key=lambda z: _zone_rank(z, offers))
+
+
+def _zone_rank(zone: str, offers: Sequence[Offer]) -> tuple[float, int, float, str]:
+    """Best first: placement score (likelihood of capacity), pools offered, cheapest price."""
+    mine = [o for o in offers if o.zone == zone]
+    score = max((o.score or 0.0 for o in mine), default=0.0)
+    return (-score, -len(mine), min(o.price for o in mine), zone)
+
+
+def placed(
+    offers: list[Offer], placement: Placement, home: str | None, regions: Sequence[str]
+) -> list[Offer]:
+    """The offers a job may buy from: those in its home's zone or region (an offer of no zone,
+    "Karpenter's pick", is pinned to the home zone), all of them for `any` or no home yet."""
+    if placement == "any" or home is None:
+        return offers
+    unit = unit_of(home, placement, regions)
+    inside = []
+    for o in offers:
+        if not o.zone and placement == "zone":
+            inside.append(o.model_copy(update={"zone": home}))
+        elif not o.zone or unit_of(o.zone, placement, regions) == unit:
+            inside.append(o)
+    return inside
+
+
+def pool_key(instance_type: str, zone: str) -> str:
+    return f"{instance_type}@{zone}"
+
+
+def fresh(offers: list[Offer], dry: dict[str, datetime], now: datetime) -> list[Offer]:
+    """The offers less the pools a launch found empty within `DRY_FOR` (`dry`: pool_key ->
+    when)."""
+    return [
+        o
+        for o in offers
+        if now - dry.get(pool_key(o.instance_type, o.zone), now - DRY_FOR) >= DRY_FOR
+    ]
+
+
+def still_dry(dry: dict[str, datetime], now: datetime) -> dict[str, datetime]:
+    """`dry` less what has aged out (so the job's state stays small)."""
+    return {k: t for k, t in dry.items() if now - t < DRY_FOR}
+
+
+@dataclass(frozen=True)
+class Hop:
+    to: str  # the zone to buy in
+    why: str
+
+
+def hop_to(
+    *,
+    placement: Placement,
+    home: str | None,
+    held: int,
+    min_nodes: int,
+    state_in_memory: bool,
+    offers: list[Offer],
+    regions: Sequence[str],
+    last_hop: datetime | None,
+    now: datetime,
+) -> Hop | None:
+    """Move the job when its home cannot give it `min_nodes`: it holds fewer (`held` live
+    nodes), its zone or region offers no spot pool now, and another does. Not within
+    `HOP_HOLD_DOWN` of the last hop, and not while parked ranks hold the state (leaving would
+    throw it away)."""
+    if placement == "any" or home is None or held >= min_nodes or state_in_memory:
+        return None
+    if last_hop is not None and now - last_hop < HOP_HOLD_DOWN:
+        return None
+    if placed(offers, placement, home, regions):
+        return None  # home still offers: wait for it
+    away = home_zone([], offers)
+    if away is None:
+        return None
+    where = "region" if placement == "region" else "zone"
+    return Hop(
+        to=away,
+        why=f"its {where} {unit_of(home, placement, regions)} offers no spot and it holds "
+        f"{held} of min {min_nodes} node(s); {unit_of(away, placement, regions)} offers",
+    )
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """Bytes a step sends between nodes in different zones, and in different regions."""
+
+    zone_gb: float = 0.0
+    region_gb: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        """USD per step (a byte across regions pays the region rate, not both)."""
+        return (self.zone_gb - self.region_gb) * CROSS_ZONE_USD_PER_GB + (
+            self.region_gb * CROSS_REGION_USD_PER_GB
+        )
+
+
+def ring_crossing(zones: Sequence[str], gradient_bytes: int, regions: Sequence[str]) -> Crossing:
+    """One step's all-reduce over a ring of nodes in rank order (`zones`, one per node): each
+    of its N links carries 2(N-1)/N of the gradient bytes; those whose ends are in different
+    zones cross (a ring that spans k zones crosses at least k times)."""
+    n = len(zones)
+    if n < 2:
+        return Crossing()
+    per_link = 2 * (n - 1) / n * gradient_bytes / GB
+    links = [(zones[i], zones[(i + 1) % n]) for i in range(n)]
+    across_zones = sum(1 for a, b in links if a != b)
+    across_regions = sum(1 for a, b in links if region_of(a, regions) != region_of(b, regions))
+    return Crossing(zone_gb=across_zones * per_link, region_gb=across_regions * per_link)
