@@ -68,6 +68,7 @@ COLUMNS = [
     "on_demand_node_h",
     "steps_lost",
     "swapped",
+    "hops_per_day",
     "recommended",
     "recommended_false",
     "recommended_taken",
@@ -292,6 +293,7 @@ class Run:
             resizes=result.resizes,
             reclaims=result.reclaims,
             swapped=result.swapped,
+            hops=result.hops,
             run_s=time.monotonic() - began,
             series=[((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds],
             startup_s=sum(g.startup_s for g in gens[1:]),
@@ -360,6 +362,7 @@ def job_spec(
             "zones": [t.zone for t in setup.traces],
         },
         "on_demand": {"fallback": False} | on_demand,
+        "placement": setup.placement,
     }
 
 
@@ -533,6 +536,13 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         help="live mode's pauses from this bench.live_resize results file (default: the "
         "data-parallel file measured nearest --state-gb; e.g. "
         "bench/results/live_resize_fsdp_25m.json)",
+    )
+    p.add_argument(
+        "--placement",
+        choices=["zone", "region", "any"],
+        default=defaults.placement,
+        help="spotrain's placement (default any: a job spans the traces' zones, traffic "
+        "unbilled, like the baselines; zone: one zone at a time, hopping)",
     )
     p.add_argument("--no-deadline", action="store_true", help="skip the deadline policies")
     p.add_argument("--no-mbb", action="store_true", help="skip the make-before-break rows")

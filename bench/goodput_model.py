@@ -32,6 +32,9 @@ class Setup:
     checkpoint_minutes: float = 30.0
     restart_cost_s: float = 120.0  # restart mode: each generation's processes start and load
     resize: str = "live"  # spotrain's elastic.resize (the product's default); or "restart"
+    # spotrain's placement. "any" (the committed tables): a job spans the traces' zones, its
+    # traffic across them unbilled, as the oracle and baselines do (issue 49 prices it).
+    placement: str = "any"
     state_gb: float = 0.8  # model + optimizer state: 100M params, fp32 with SGD momentum
     live_results: str = ""  # live mode's pauses: a bench.live_resize results file ("": ours)
     boot_median_s: float = 60.0  # a launched node's boot to ready: lognormal, this median
@@ -139,6 +142,7 @@ class Row:
     resizes: int = 0
     reclaims: int = 0  # nodes taken by the cloud while the job held them
     swapped: int = 0  # warned nodes replaced make-before-break (one resize each)
+    hops: int = 0  # moves to another zone (spotrain with --placement zone)
     run_s: float = 0.0
     retries: int = 0  # runs of this policy abandoned on a wedged test server
     series: Series = field(default_factory=list)
@@ -185,6 +189,7 @@ class Row:
             "resizes": self.resizes,
             "reclaims": self.reclaims,
             "swapped": self.swapped,
+            "hops_per_day": 24 * self.hops / self.wall_h if self.wall_h else 0.0,
             "recommended": self.recommended,
             "recommended_false": self.recommended_false,
             "recommended_taken": self.recommended_taken,

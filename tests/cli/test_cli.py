@@ -267,7 +267,10 @@ async def test_submit_wait_then_report_a_finished_job(cli: Cli, tmp_path: Path) 
         "all_on_demand",
         "savings",
         "budget",
+        "transfer",
+        "transfer_gb",
     }
+    assert report["cost"]["transfer"] == 0  # one zone, and no gradient_bytes to bill
     assert report["cost"]["savings"] > 0.5  # all spot at 0.97 versus 3.06 on demand
     assert report["cost"]["spot"] == pytest.approx(report["cost"]["total"])
 

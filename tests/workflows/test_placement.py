@@ -66,6 +66,7 @@ def hop(**changes: object) -> locality.Hop | None:
         "min_nodes": 2,
         "state_in_memory": False,
         "offers": [offer("us-east-1b")],
+        "dry": {},
         "regions": REGIONS,
         "last_hop": None,
         "now": T0,
@@ -79,6 +80,9 @@ def test_a_job_hops_only_when_its_zone_cannot_give_it_min_nodes_and_another_can(
     assert "us-east-1a offers no spot" in moved.why and "1 of min 2" in moved.why
     assert hop(held=2) is None  # it can train where it is
     assert hop(offers=[offer("us-east-1a"), offer("us-east-1b")]) is None  # home may serve
+    found_empty = {locality.pool_key("p3.2xlarge", "us-east-1a"): T0}
+    both = [offer("us-east-1a"), offer("us-east-1b")]
+    assert hop(offers=both, dry=found_empty) is not None  # ... unless its pools are dry
     assert hop(offers=[]) is None  # nowhere better
     assert hop(state_in_memory=True) is None  # parked ranks hold the state
     assert hop(placement="any") is None
@@ -206,7 +210,8 @@ async def test_a_job_whose_zone_runs_dry_hops_to_one_that_serves(
         await record_history(handle, "zone_hop")
     assert result.phase == "Succeeded" and result.steps_done == spec["total_steps"]
     hops = [e.detail for e in result.timeline if e.event == "zone hop"]
-    assert len(hops) == 1 and hops[0].startswith("to us-east-1b: its zone us-east-1a")
+    assert len(hops) == result.hops == 1
+    assert hops[0].startswith("to us-east-1b: its zone us-east-1a")
     zones = [n.zone for n in cloud.launches]
     assert zones[:2] == ["us-east-1a"] * 2 and set(zones[2:]) == {"us-east-1b"}
     assert cloud.running() == []

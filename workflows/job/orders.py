@@ -146,13 +146,14 @@ def placed(
     state: JobState, offers: list[Offer], placement: Placement, now: datetime, *, launching: bool
 ) -> Placed:
     """The offers `placement` lets the job buy from, around its home zone (where its live
-    nodes are), or in the zone it hops to (`locality.hop_to`: only with no launch in flight
-    and no generation running, so the nodes it leaves are idle)."""
+    nodes are; with none, the best zone whose pools are not dry), or in the zone it hops to
+    (`locality.hop_to`: only with no launch in flight and no generation running, so the nodes
+    it leaves are idle). A dry pool of the home stays in its offers: a job that can train
+    there keeps trying it, and returns to spot as soon as it has capacity again."""
     if placement == "any":
         return Placed(None, offers)
-    offers = locality.fresh(offers, state.dry_pools, now)
     held = [n.zone for n in state.nodes if n.alive and n.zone]
-    home = locality.home_zone(held, offers)
+    home = locality.home_zone(held, locality.fresh(offers, state.dry_pools, now))
     regions = state.spec.spot.regions
     hop = None
     if not state.running and not launching:
@@ -163,14 +164,14 @@ def placed(
             min_nodes=state.spec.elastic.min_nodes,
             state_in_memory=state.held,
             offers=offers,
+            dry=state.dry_pools,
             regions=regions,
             last_hop=state.last_hop_at,
             now=now,
         )
     if hop is not None:
         home = hop.to
-    inside = locality.placed(offers, placement, home, regions)
-    return Placed(home, locality.fresh(inside, state.dry_pools, now), hop)  # (pinned ones too)
+    return Placed(home, locality.placed(offers, placement, home, regions), hop)
 
 
 def spot_orders(

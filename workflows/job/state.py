@@ -424,6 +424,7 @@ class JobState(BaseModel):
             "resizes": self.resizes,
             "swapped": self.swapped,
             "steps_lost": self.steps_lost,
+            "hops": self.hops,
             "node_hours": {k: round(v, 6) for k, v in hours.items()},
             "cost": {k: round(v, 6) for k, v in cost.items()},
             "transfer": self.transfer.rounded(),
@@ -484,6 +485,7 @@ class JobAccounts(BaseModel):
     resizes: int
     swapped: int = Field(0, description="warned nodes replaced make-before-break")
     steps_lost: int
+    hops: int = Field(0, description="moves to another zone (placement)")
     node_hours: dict[str, float]
     cost: dict[str, float]
     transfer: Transfer = Field(

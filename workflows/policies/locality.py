@@ -118,21 +118,23 @@ def hop_to(
     min_nodes: int,
     state_in_memory: bool,
     offers: list[Offer],
+    dry: dict[str, datetime],
     regions: Sequence[str],
     last_hop: datetime | None,
     now: datetime,
 ) -> Hop | None:
     """Move the job when its home cannot give it `min_nodes`: it holds fewer (`held` live
-    nodes), its zone or region offers no spot pool now, and another does. Not within
+    nodes), its zone or region offers no spot pool now that is not `dry`, and another does.
+    Not within
     `HOP_HOLD_DOWN` of the last hop, and not while parked ranks hold the state (leaving would
     throw it away)."""
     if placement == "any" or home is None or held >= min_nodes or state_in_memory:
         return None
     if last_hop is not None and now - last_hop < HOP_HOLD_DOWN:
         return None
-    if placed(offers, placement, home, regions):
+    if fresh(placed(offers, placement, home, regions), dry, now):
         return None  # home still offers: wait for it
-    away = home_zone([], offers)
+    away = home_zone([], fresh(offers, dry, now))
     if away is None:
         return None
     where = "region" if placement == "region" else "zone"
