@@ -51,7 +51,7 @@ from spotrain.workflows.job.state import JobResult, JobStatus
 from .common import REPO, load_traces, publish, table
 from .goodput_harness import RowLog, RunFn, Wedged, on_fresh_server
 from .goodput_live import lognormal_boot, measured_live_pauses
-from .goodput_model import Row, Setup, all_on_demand, fixed_restart, oracle, plot
+from .goodput_model import Row, Setup, all_on_demand, fixed_restart, oracle, plot, ring_transfer
 from .goodput_rebalance import Recommendations
 
 INSTANCE_TYPE = "p3.2xlarge"
@@ -69,6 +69,8 @@ COLUMNS = [
     "steps_lost",
     "swapped",
     "hops_per_day",
+    "transfer_usd",
+    "cost_with_transfer",
     "recommended",
     "recommended_false",
     "recommended_taken",
@@ -100,14 +102,17 @@ class RecordingRuntime(SimulatedRuntime):
             live=measured_live_pauses(setup.state_gb, setup.live_results)[0],
         )
         self.worlds: list[tuple[datetime, int]] = []
+        self.rings: list[tuple[datetime, list[str]]] = []  # each generation's nodes, by rank
 
-    def _mark(self, world: int) -> None:
-        self.worlds.append((activity.info().current_attempt_scheduled_time, world))
+    def _mark(self, world: int, nodes: list[str] | None = None) -> None:
+        now = activity.info().current_attempt_scheduled_time
+        self.worlds.append((now, world))
+        self.rings.append((now, nodes or []))
 
     @activity.defn(name=contract.START_GENERATION)
     def start_generation(self, plan: GenerationPlan) -> None:
         super().start_generation(plan)
-        self._mark(plan.world_size)
+        self._mark(plan.world_size, [m.node_id for m in plan.members])
 
     @activity.defn(name=contract.STOP_GENERATION)
     def stop_generation(self, req: StopRequest) -> StopResult:
@@ -152,6 +157,9 @@ class Run:
                 stuck = stuck + 1 if await self.elapsed_s() <= before else 0
                 if stuck >= WEDGED_AFTER:
                     raise Wedged(f"server time stuck at {before:.0f} s") from err
+
+    def _zones(self) -> dict[str, str]:
+        return {node_id: n.info.zone for node_id, n in self.cloud.nodes.items()}
 
     async def start(self, spec: dict[str, Any]) -> WorkflowHandle[Any, JobResult]:
         return await self.env.client.start_workflow(
@@ -294,6 +302,11 @@ class Run:
             reclaims=result.reclaims,
             swapped=result.swapped,
             hops=result.hops,
+            transfer=ring_transfer(
+                self.runtime.rings,
+                {i: n.info.zone for i, n in self.cloud.nodes.items()},
+                self.setup,
+            ),
             run_s=time.monotonic() - began,
             series=[((t - self.t0).total_seconds() / 3600, w) for t, w in self.runtime.worlds],
             startup_s=sum(g.startup_s for g in gens[1:]),

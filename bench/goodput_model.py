@@ -7,10 +7,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from spotrain.workflows.policies.locality import ring_crossing
 
 from .common import REPO, Trace
 from .goodput_rebalance import FP_RATE, LEAD_MAX_S, LEAD_MIN_S
@@ -35,6 +38,8 @@ class Setup:
     # spotrain's placement. "any" (the committed tables): a job spans the traces' zones, its
     # traffic across them unbilled, as the oracle and baselines do (issue 49 prices it).
     placement: str = "any"
+    gradient_gb: float = 0.4  # what one step all-reduces: 100M fp32 parameters
+    sync_steps_per_s: float = 1.0  # the job's steps (each an all-reduce) a second
     state_gb: float = 0.8  # model + optimizer state: 100M params, fp32 with SGD momentum
     live_results: str = ""  # live mode's pauses: a bench.live_resize results file ("": ours)
     boot_median_s: float = 60.0  # a launched node's boot to ready: lognormal, this median
@@ -129,6 +134,29 @@ def measured_checkpoint_s() -> float:
     return 11.2
 
 
+@dataclass(frozen=True)
+class Transfer:
+    zone_gb: float
+    usd: float
+
+
+def ring_transfer(
+    rings: Sequence[tuple[datetime, list[str]]], zone_of: Mapping[str, str], setup: Setup
+) -> Transfer:
+    """What a job's rings sent across zones and regions, from each generation's nodes in rank
+    order (`rings`: when each started, or ended with no nodes): its time at
+    `sync_steps_per_s` steps, each a ring all-reduce of `gradient_gb` (the product's rule,
+    workflows/policies/locality.py), at EC2's prices."""
+    gb = usd = 0.0
+    for (start, nodes), (end, _) in itertools.pairwise(rings):
+        zones = [zone_of[n] for n in nodes]
+        step = ring_crossing(zones, int(setup.gradient_gb * 1e9), [])
+        steps = setup.sync_steps_per_s * (end - start).total_seconds()
+        gb += step.zone_gb * steps
+        usd += step.cost * steps
+    return Transfer(gb, usd)
+
+
 @dataclass
 class Row:
     """One policy's outcome: the table's columns plus its world size over time."""
@@ -143,6 +171,8 @@ class Row:
     reclaims: int = 0  # nodes taken by the cloud while the job held them
     swapped: int = 0  # warned nodes replaced make-before-break (one resize each)
     hops: int = 0  # moves to another zone (spotrain with --placement zone)
+    transfer: Transfer | None = None  # sent across zones, GB and USD (workflow rows; None:
+    # not modelled, the baselines)
     run_s: float = 0.0
     retries: int = 0  # runs of this policy abandoned on a wedged test server
     series: Series = field(default_factory=list)
@@ -174,6 +204,7 @@ class Row:
         idle spans), left out of the second pause figure."""
         cost = self.spot_node_h * setup.spot_price + self.on_demand_node_h * setup.on_demand_price
         od = setup.on_demand_hours() * setup.max_nodes * setup.on_demand_price
+        transfer = None if self.transfer is None else self.transfer.usd
         return {
             "policy": self.policy,
             "engine": self.engine,
@@ -190,6 +221,9 @@ class Row:
             "reclaims": self.reclaims,
             "swapped": self.swapped,
             "hops_per_day": 24 * self.hops / self.wall_h if self.wall_h else 0.0,
+            "transfer_gb": None if self.transfer is None else self.transfer.zone_gb,
+            "transfer_usd": transfer,
+            "cost_with_transfer": None if transfer is None else cost + transfer,
             "recommended": self.recommended,
             "recommended_false": self.recommended_false,
             "recommended_taken": self.recommended_taken,
