@@ -51,36 +51,20 @@ from spotrain.workflows.job.state import JobResult, JobStatus
 from .common import REPO, load_traces, publish, table
 from .goodput_harness import RowLog, RunFn, Wedged, on_fresh_server
 from .goodput_live import lognormal_boot, measured_live_pauses
-from .goodput_model import Row, Setup, all_on_demand, fixed_restart, oracle, plot, ring_transfer
+from .goodput_model import (
+    COLUMNS,
+    Row,
+    Setup,
+    all_on_demand,
+    fixed_restart,
+    one_zone_baselines,
+    oracle,
+    plot,
+    ring_transfer,
+)
 from .goodput_rebalance import Recommendations
 
 INSTANCE_TYPE = "p3.2xlarge"
-COLUMNS = [
-    "policy",
-    "engine",
-    "wall_h",
-    "wall_vs_oracle",
-    "cost",
-    "cost_vs_on_demand",
-    "usd_per_work_nh",
-    "goodput",
-    "spot_node_h",
-    "on_demand_node_h",
-    "steps_lost",
-    "swapped",
-    "hops_per_day",
-    "transfer_usd",
-    "cost_with_transfer",
-    "recommended",
-    "recommended_false",
-    "recommended_taken",
-    "resizes_per_reclaim",
-    "pause_s_per_reclaim",
-    "pause_s_per_reclaim_with_capacity",
-    "deadline_hit",
-    "run_s",
-    "retries",
-]
 
 
 WEDGED_AFTER = 3  # sleeps in a row that move server time no more
@@ -476,6 +460,7 @@ async def benchmark(
         all_on_demand(setup),
         fixed_restart(setup),
         fixed_restart(setup, on_notice=True),
+        *one_zone_baselines(setup),
     ]
     log = log or RowLog(None)
     for row in rows:

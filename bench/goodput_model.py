@@ -8,7 +8,7 @@ import itertools
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,34 @@ def measured_checkpoint_s() -> float:
             if (row["target"], row["mode"]) == ("s3", "sync"):
                 return float(row["durable_median_s"])
     return 11.2
+
+
+COLUMNS = [  # the table's, of Row.report's
+    "policy",
+    "engine",
+    "wall_h",
+    "wall_vs_oracle",
+    "cost",
+    "cost_vs_on_demand",
+    "usd_per_work_nh",
+    "goodput",
+    "spot_node_h",
+    "on_demand_node_h",
+    "steps_lost",
+    "swapped",
+    "hops_per_day",
+    "transfer_usd",
+    "cost_with_transfer",
+    "recommended",
+    "recommended_false",
+    "recommended_taken",
+    "resizes_per_reclaim",
+    "pause_s_per_reclaim",
+    "pause_s_per_reclaim_with_capacity",
+    "deadline_hit",
+    "run_s",
+    "retries",
+]
 
 
 @dataclass(frozen=True)
@@ -343,3 +371,20 @@ def plot(setup: Setup, rows: list[Row], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def one_zone_baselines(setup: Setup) -> list[Row]:
+    """With `--placement zone` over several zones' traces, the oracle and the fixed job that
+    checkpoints on the notice held to one zone too: the zone where the oracle finishes first
+    (hindsight, which flatters them), so spotrain in one zone is compared with its peers. The
+    fixed job only if that zone ever offers all `max_nodes` at once."""
+    if setup.placement != "zone" or len(setup.traces) < 2:
+        return []
+    best = min(setup.traces, key=lambda t: oracle(replace(setup, traces=[t])).wall_h)
+    one = replace(setup, traces=[best])
+    rows = [oracle(one)]
+    if max(best.data) >= setup.max_nodes:  # (else the fixed job never starts there)
+        rows.append(fixed_restart(one, on_notice=True))
+    for row in rows:
+        row.policy += f" (one zone: {best.zone})"
+    return rows

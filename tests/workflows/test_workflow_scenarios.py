@@ -211,6 +211,8 @@ async def test_a_zone_whose_pools_turn_out_empty_is_left_for_one_that_serves(
         await handle.cancel()
     assert {launch.zone for launch in sim.cloud.launches} == {"us-east-1b"}
     assert {n.zone for n in status.nodes if n.state == "ready"} == {"us-east-1b"}
+    moves = [e.detail for e in status.timeline if e.event == "zone hop"]
+    assert moves == ["to us-east-1b: it holds no node in us-east-1a"] and status.hops == 1
 
 
 async def test_opportunistic_scale_out_when_spot_capacity_appears(

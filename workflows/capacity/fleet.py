@@ -79,15 +79,20 @@ class Fleet:
             s.record(workflow.now(), "waiting for capacity", f"{plan.waiting} node(s) short")
 
     async def _placed(self, placement: Placement) -> orders.Placed:
-        """The offers around the job's home; after a hop, its idle nodes gone."""
+        """The offers around the job's home; after a hop, its idle nodes gone. Every change of
+        home counts as a hop, also that of a job left with no node, which moves for free."""
         s = self.s
+        now = workflow.now()
         offers = await self.find_offers()
-        where = orders.placed(s, offers, placement, workflow.now(), launching=bool(self.launches))
-        if where.hop is not None:
+        where = orders.placed(s, offers, placement, now, launching=bool(self.launches))
+        if where.home is not None and s.home_zone not in (None, where.home):
             s.hops += 1
-            s.last_hop_at = workflow.now()
-            s.record(workflow.now(), "zone hop", f"to {where.hop.to}: {where.hop.why}")
+            s.last_hop_at = now
+            why = where.hop.why if where.hop else f"it holds no node in {s.home_zone}"
+            s.record(now, "zone hop", f"to {where.home}: {why}")
+        if where.hop is not None:
             await self.release([n for n in s.nodes if n.alive], f"hop to {where.hop.to}")
+        s.home_zone = where.home or s.home_zone
         return where
 
     def _order(self, order: Order) -> None:

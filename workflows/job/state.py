@@ -194,6 +194,7 @@ class JobState(BaseModel):
     stragglers: list[Straggler] = Field(
         default_factory=list, description="slow or hung ranks of the running generation"
     )
+    home_zone: str | None = Field(None, description="the zone it last bought in (placement)")
     last_hop_at: datetime | None = Field(None, description="when the job last changed zone")
     hops: int = Field(0, description="zone (or region) changes (placement)")
     dry_pools: dict[str, datetime] = Field(
