@@ -147,3 +147,49 @@ async def test_training_job_across_regions_recovers_a_reclaim_and_leaks_nothing(
             provider.client(region), [{"Name": "tag:spotrain:job", "Values": [name]}]
         )
         assert [i for i in owned if i["State"]["Name"] in LIVE_STATES] == [], region
+
+
+async def test_a_job_buys_its_spot_and_on_demand_instances_in_one_zone(
+    dev_env: WorkflowEnvironment, provider: EC2Provider
+) -> None:
+    """`placement: zone` (the default) on EC2: spot offered in two zones, and an on-demand
+    base node, which spotrain would otherwise put in the region's first zone: every instance
+    the job launches is in the same zone, as describe_instances reports it."""
+    spec = fast_spec(
+        total_steps=10**6,
+        elastic={"min_nodes": 3, "max_nodes": 3},
+        spot={
+            "instance_types": [{"name": "g5.xlarge", "gpus": 1, "on_demand_price": 1.0}],
+            "zones": ["us-east-1b", "us-east-1c"],  # (not us-east-1a, EC2's pick for on-demand)
+        },
+        on_demand={"base_nodes": 1},
+    )
+    name, queue = spec["name"], f"zone-{spec['name']}"
+    with ThreadPoolExecutor(8) as pool:
+        async with Worker(
+            dev_env.client,
+            task_queue=queue,
+            workflows=WORKFLOWS,
+            activities=provider.activities() + fast_runtime().activities(),
+            activity_executor=pool,
+        ):
+            handle = await dev_env.client.start_workflow(
+                "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
+            )
+            await polled(
+                lambda: handle.query("status", result_type=JobStatus),
+                lambda s: s.phase == "Running" and s.world_size == 3,
+            )
+            mine = [{"Name": "tag:spotrain:job", "Values": [name]}]
+            running = [
+                i
+                for i in find_instances(provider.client("us-east-1"), mine)
+                if i["State"]["Name"] in LIVE_STATES
+            ]
+            await handle.cancel()
+            with pytest.raises(WorkflowFailureError):
+                await handle.result()
+    lifecycles = sorted(i.get("InstanceLifecycle", "on-demand") for i in running)
+    assert lifecycles == ["on-demand", "spot", "spot"]
+    assert len({i["Placement"]["AvailabilityZone"] for i in running}) == 1, running
+    assert live(provider, name) == []
