@@ -23,6 +23,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
+from spotrain.activities.local import job_processes
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows import history
@@ -283,3 +284,24 @@ async def continue_as_new_now(handle: WorkflowHandle[Any, Any], timeout: float =
         history.HISTORY_EVENTS_BEFORE_CONTINUE = saved
     assert now is not None
     return now
+
+
+def leftover_processes(job: str, within_s: float = 5.0) -> list[str]:
+    """The job's processes (`job_processes`: SPOTRAIN_JOB in their environment) still alive
+    after `within_s`, as 'pid state command' for the failure message. The wait is for exit
+    latency only: the runtime waits for each rank it SIGKILLs, not for the rest of the rank's
+    process group, which the kernel tears down a moment later on a loaded machine."""
+    deadline = time.monotonic() + within_s
+    while (alive := job_processes(job)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [_describe(pid) for pid in alive]
+
+
+def _describe(pid: int) -> str:
+    proc = Path("/proc") / str(pid)
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} {state} {command[:200]}"

@@ -22,11 +22,11 @@ from pathlib import Path
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.local import LocalRuntime, job_processes
+from spotrain.activities.local import LocalRuntime
 from spotrain.workers.embedded.stack import free_port
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.job.state import JobStatus
-from tests.jobs import FAST_ELASTIC, merge
+from tests.jobs import FAST_ELASTIC, leftover_processes, merge
 
 TRAIN = Path(__file__).parents[1] / "chaos" / "train.py"
 REPO = Path(__file__).resolve().parents[2]
@@ -99,7 +99,7 @@ async def test_worker_serves_sdk_and_job_metrics_and_json_logs(
         worker.terminate()
         worker.wait(timeout=30)
         LocalRuntime(tmp_path).cleanup_job(CleanupRequest(job=name, keep=True))  # if it did not
-    assert job_processes(name) == []
+    assert not (left := leftover_processes(name)), left
     assert values["spotrain_notice_to_ranks_seconds_count"] == 1
     assert 0 <= values["spotrain_notice_to_ranks_seconds_sum"] < 10
     assert values["spotrain_resizes"] >= 1

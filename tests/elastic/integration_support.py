@@ -12,7 +12,7 @@ from typing import Any
 
 from temporalio.testing import ActivityEnvironment
 
-from spotrain.activities.local import LocalRuntime, job_processes
+from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import (
     GenerationPlan,
@@ -23,6 +23,7 @@ from spotrain.workflows.contract import (
     WatchResult,
 )
 from spotrain.workflows.job.planner import local_batch_size
+from tests.jobs import leftover_processes
 
 WORLDS = {0: 2, 1: 3, 2: 2}  # generation -> ranks in `reclaim_then_loss`
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -139,13 +140,9 @@ class Scenario:
             out[int(f.stem.rsplit("-", 1)[1])] = [json.loads(x) for x in f.read_text().splitlines()]
         return out
 
-    def leftovers(self, within_s: float = 2.0) -> list[int]:
-        """The job's processes still alive after `within_s` (a process killed with its parent
-        by the kernel takes a moment to go)."""
-        deadline = time.monotonic() + within_s
-        while (alive := job_processes(self.job)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return alive
+    def leftovers(self, within_s: float = 2.0) -> list[str]:
+        """The job's processes still alive after `within_s` (tests/jobs.py says why wait)."""
+        return leftover_processes(self.job, within_s)
 
     def reclaim_then_loss(self, first_step: int, every: int) -> tuple[int, int]:
         """2 ranks past `first_step`, then the elastic event; 3 ranks until a periodic

@@ -17,7 +17,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from spotrain.activities.command_launch import job_command
-from spotrain.activities.local import LocalRuntime, job_processes
+from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows.contract import (
@@ -29,7 +29,7 @@ from spotrain.workflows.contract import (
 )
 from spotrain.workflows.job.start_failure import cannot_start
 from spotrain.workflows.job.state import JobResult
-from tests.jobs import record_history
+from tests.jobs import leftover_processes, record_history
 from tests.workflows.test_planner_job import node, running, state
 
 MISSING = "ModuleNotFoundError: No module named 'no_such_module_spotrain'"
@@ -157,4 +157,4 @@ async def test_a_command_that_cannot_start_fails_the_job_at_once_saying_why(
     assert "the job's command cannot start" in str(failure) and reason in str(failure), failure
     result = JobResult.model_validate(failure.details[0])  # type: ignore[attr-defined]
     assert result.generations == 1, result  # not max_restarts + 1 of them
-    assert job_processes(name) == []
+    assert not (left := leftover_processes(name)), left

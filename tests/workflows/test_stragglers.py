@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.local import LocalRuntime, job_processes
+from spotrain.activities.local import LocalRuntime
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.elastic.step_times import (
     RECENT_STEPS,
@@ -42,7 +42,7 @@ from spotrain.workflows.policies.stragglers import (
     slow_ranks,
 )
 from spotrain.workflows.spec import SpecError, StragglerPolicy, parse_spec
-from tests.jobs import FAST_ELASTIC, job_spec, polled, record_history
+from tests.jobs import FAST_ELASTIC, job_spec, leftover_processes, polled, record_history
 from tests.warm_python import WARM_PYTHON
 from tests.workflows.test_planner_job import node
 
@@ -353,6 +353,6 @@ async def test_a_slow_or_hung_node_is_flagged_and_replaced_and_the_job_completes
     assert ("node released", f"spot {slow_node}: straggler") in events, events
     assert result.phase == "Succeeded" and result.steps_done == STEPS
     assert result.faults == 0 and result.generations == 2, events  # replaced, not restarted
-    assert job_processes(spec["name"]) == []
+    assert not (left := leftover_processes(spec["name"])), left
     # (generation 2 ran on the replacement: on the slow node, rank 1 would be flagged again)
     assert [e for e, _ in events].count("straggler") == 1, events
