@@ -4,13 +4,15 @@ recovers a reclaim there and leaks nothing (moto's EC2 server on a loopback port
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from temporalio import workflow
-from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.testing import WorkflowEnvironment
@@ -101,6 +103,24 @@ async def test_activities_through_temporal(
     assert live(provider, job) == []
 
 
+@asynccontextmanager
+async def ec2_job(
+    env: WorkflowEnvironment, provider: EC2Provider, spec: dict[str, Any], queue: str
+) -> AsyncIterator[WorkflowHandle[Any, JobResult]]:
+    """A TrainingJob started on a worker with the EC2 provider and the simulated runtime."""
+    with ThreadPoolExecutor(8) as pool:
+        async with Worker(
+            env.client,
+            task_queue=queue,
+            workflows=WORKFLOWS,
+            activities=provider.activities() + fast_runtime().activities(),
+            activity_executor=pool,
+        ):
+            yield await env.client.start_workflow(
+                "TrainingJob", spec, id=spec["name"], task_queue=queue, result_type=JobResult
+            )
+
+
 @pytest.mark.slow
 async def test_training_job_across_regions_recovers_a_reclaim_and_leaks_nothing(
     dev_env: WorkflowEnvironment, provider: EC2Provider
@@ -119,25 +139,15 @@ async def test_training_job_across_regions_recovers_a_reclaim_and_leaks_nothing(
         on_demand={"fallback": False},
     )
     name, queue = spec["name"], f"regions-{spec['name']}"
-    with ThreadPoolExecutor(8) as pool:
-        async with Worker(
-            dev_env.client,
-            task_queue=queue,
-            workflows=WORKFLOWS,
-            activities=provider.activities() + fast_runtime().activities(),
-            activity_executor=pool,
-        ):
-            handle = await dev_env.client.start_workflow(
-                "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
-            )
-            status = await polled(
-                lambda: handle.query("status", result_type=JobStatus),
-                lambda s: s.phase == "Running" and s.step > 50,
-            )
-            first = next(n.node_id for n in status.nodes if n.state == "ready")
-            assert first is not None
-            reclaim(first, "us-west-2")
-            result = await handle.result()
+    async with ec2_job(dev_env, provider, spec, queue) as handle:
+        status = await polled(
+            lambda: handle.query("status", result_type=JobStatus),
+            lambda s: s.phase == "Running" and s.step > 50,
+        )
+        first = next(n.node_id for n in status.nodes if n.state == "ready")
+        assert first is not None
+        reclaim(first, "us-west-2")
+        result = await handle.result()
     assert result.phase == "Succeeded" and result.steps_done == 300, result.failure
     assert result.faults + result.reclaims >= 1 and result.generations >= 2
     ready = [e.detail for e in result.timeline if e.event == "node ready"]
@@ -165,30 +175,20 @@ async def test_a_job_buys_its_spot_and_on_demand_instances_in_one_zone(
         on_demand={"base_nodes": 1},
     )
     name, queue = spec["name"], f"zone-{spec['name']}"
-    with ThreadPoolExecutor(8) as pool:
-        async with Worker(
-            dev_env.client,
-            task_queue=queue,
-            workflows=WORKFLOWS,
-            activities=provider.activities() + fast_runtime().activities(),
-            activity_executor=pool,
-        ):
-            handle = await dev_env.client.start_workflow(
-                "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
-            )
-            await polled(
-                lambda: handle.query("status", result_type=JobStatus),
-                lambda s: s.phase == "Running" and s.world_size == 3,
-            )
-            mine = [{"Name": "tag:spotrain:job", "Values": [name]}]
-            running = [
-                i
-                for i in find_instances(provider.client("us-east-1"), mine)
-                if i["State"]["Name"] in LIVE_STATES
-            ]
-            await handle.cancel()
-            with pytest.raises(WorkflowFailureError):
-                await handle.result()
+    async with ec2_job(dev_env, provider, spec, queue) as handle:
+        await polled(
+            lambda: handle.query("status", result_type=JobStatus),
+            lambda s: s.phase == "Running" and s.world_size == 3,
+        )
+        mine = [{"Name": "tag:spotrain:job", "Values": [name]}]
+        running = [
+            i
+            for i in find_instances(provider.client("us-east-1"), mine)
+            if i["State"]["Name"] in LIVE_STATES
+        ]
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
     lifecycles = sorted(i.get("InstanceLifecycle", "on-demand") for i in running)
     assert lifecycles == ["on-demand", "spot", "spot"]
     assert len({i["Placement"]["AvailabilityZone"] for i in running}) == 1, running
