@@ -290,8 +290,13 @@ class SimulatedRuntime:
         """The step the generation has reached at `at` (capped at the job's total)."""
         until = gen.stalled_at or at
         working = max(0.0, (until - gen.started_at).total_seconds() - gen.startup_s)
-        done = math.floor(working / 3600 * self.steps_per_hour(gen.plan.world_size))
+        done = math.floor(working / 3600 * self.rate(gen.plan))
         return min(gen.plan.total_steps, gen.start_step + done)
+
+    def rate(self, plan: GenerationPlan) -> float:
+        """Steps an hour the generation `plan` makes: `steps_per_hour` of its world size (the
+        goodput benchmark slows a ring that crosses zones)."""
+        return self.steps_per_hour(plan.world_size)
 
     def _periodic_checkpoint(self, gen: SimGeneration, step: int) -> int:
         if step >= gen.plan.total_steps:

@@ -61,6 +61,7 @@ from .goodput_model import (
     oracle,
     plot,
     ring_transfer,
+    slowdown,
 )
 from .goodput_rebalance import Recommendations
 
@@ -74,10 +75,12 @@ WEDGED_AFTER = 3  # sleeps in a row that move server time no more
 
 
 class RecordingRuntime(SimulatedRuntime):
-    """The simulated runtime with `setup`'s progress model and the product's measured live
-    pauses for its state size, recording world size over time."""
+    """The simulated runtime with `setup`'s progress model (a ring across zones slowed by
+    `cross_zone_slowdown`) and the product's measured live pauses for its state size,
+    recording world size over time. `zone_of`: a node id's zone."""
 
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, zone_of: Callable[[str], str]) -> None:
+        self.setup, self.zone_of = setup, zone_of
         super().__init__(
             steps_per_hour=setup.steps_per_hour,
             checkpoint_every=setup.checkpoint_every,
@@ -87,6 +90,10 @@ class RecordingRuntime(SimulatedRuntime):
         )
         self.worlds: list[tuple[datetime, int]] = []
         self.rings: list[tuple[datetime, list[str]]] = []  # each generation's nodes, by rank
+
+    def rate(self, plan: GenerationPlan) -> float:
+        zones = [self.zone_of(m.node_id) for m in plan.members]
+        return super().rate(plan) / slowdown(self.setup, zones)
 
     def _mark(self, world: int, nodes: list[str] | None = None) -> None:
         now = activity.info().current_attempt_scheduled_time
@@ -373,7 +380,8 @@ async def new_run(env: WorkflowEnvironment, setup: Setup) -> AsyncIterator[Run]:
         spot_price=setup.spot_price,
         boot_s=lognormal_boot(setup.boot_median_s, setup.boot_sigma, setup.seed),
     )
-    run = Run(env, setup, cloud, RecordingRuntime(setup), uuid.uuid4().hex, t0)
+    runtime = RecordingRuntime(setup, lambda node_id: cloud.nodes[node_id].info.zone)
+    run = Run(env, setup, cloud, runtime, uuid.uuid4().hex, t0)
     if setup.rebalance:
         run.rebalance = Recommendations(
             setup.rebalance_fp_rate,
@@ -503,6 +511,9 @@ def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
         "rebalance_lead_max_s",
         "max_surge_nodes",
         "state_gb",
+        "gradient_gb",
+        "sync_steps_per_s",
+        "cross_zone_slowdown",
         "boot_median_s",
         "boot_sigma",
         "seed",

@@ -40,6 +40,9 @@ class Setup:
     placement: str = "any"
     gradient_gb: float = 0.4  # what one step all-reduces: 100M fp32 parameters
     sync_steps_per_s: float = 1.0  # the job's steps (each an all-reduce) a second
+    # a step of a ring that crosses zones takes this many times as long (stated, not
+    # measured: EC2 caps one flow at 5 Gbps outside a cluster placement group, 10 inside)
+    cross_zone_slowdown: float = 1.0
     state_gb: float = 0.8  # model + optimizer state: 100M params, fp32 with SGD momentum
     live_results: str = ""  # live mode's pauses: a bench.live_resize results file ("": ours)
     boot_median_s: float = 60.0  # a launched node's boot to ready: lognormal, this median
@@ -164,25 +167,47 @@ COLUMNS = [  # the table's, of Row.report's
 
 @dataclass(frozen=True)
 class Transfer:
-    zone_gb: float
-    usd: float
+    zone_gb: float = 0.0
+    usd: float = 0.0
+
+    def __add__(self, other: Transfer) -> Transfer:
+        return Transfer(self.zone_gb + other.zone_gb, self.usd + other.usd)
+
+
+def slowdown(setup: Setup, zones: Sequence[str]) -> float:
+    """How many times as long a step of a ring over `zones` (one per node) takes."""
+    return setup.cross_zone_slowdown if len(set(zones)) > 1 else 1.0
+
+
+def sent(setup: Setup, zones: Sequence[str], seconds: float) -> Transfer:
+    """What a ring over `zones` (one per node, in rank order) sends across zones and regions
+    in `seconds` of training: `sync_steps_per_s` steps a second (fewer when slowed), each a
+    ring all-reduce of `gradient_gb` (the product's rule, workflows/policies/locality.py), at
+    EC2's prices."""
+    step = ring_crossing(list(zones), int(setup.gradient_gb * 1e9), [])
+    steps = setup.sync_steps_per_s * seconds / slowdown(setup, zones)
+    return Transfer(step.zone_gb * steps, step.cost * steps)
 
 
 def ring_transfer(
     rings: Sequence[tuple[datetime, list[str]]], zone_of: Mapping[str, str], setup: Setup
 ) -> Transfer:
-    """What a job's rings sent across zones and regions, from each generation's nodes in rank
-    order (`rings`: when each started, or ended with no nodes): its time at
-    `sync_steps_per_s` steps, each a ring all-reduce of `gradient_gb` (the product's rule,
-    workflows/policies/locality.py), at EC2's prices."""
-    gb = usd = 0.0
+    """What a job's rings sent across zones, from each generation's nodes in rank order
+    (`rings`: when each started, or ended with no nodes)."""
+    total = Transfer()
     for (start, nodes), (end, _) in itertools.pairwise(rings):
-        zones = [zone_of[n] for n in nodes]
-        step = ring_crossing(zones, int(setup.gradient_gb * 1e9), [])
-        steps = setup.sync_steps_per_s * (end - start).total_seconds()
-        gb += step.zone_gb * steps
-        usd += step.cost * steps
-    return Transfer(gb, usd)
+        total += sent(setup, [zone_of[n] for n in nodes], (end - start).total_seconds())
+    return total
+
+
+def spread(setup: Setup, offset_s: float, nodes: int) -> list[str]:
+    """The zones of `nodes` nodes a job spanning the traces' zones holds at `offset_s`, in
+    rank order: the zones offering most first, each filled before the next (so the ring
+    crosses once per zone it adds)."""
+    zones: list[str] = []
+    for trace in sorted(setup.traces, key=lambda t: -t.at(offset_s)):
+        zones += [trace.zone] * max(0, min(trace.at(offset_s), nodes - len(zones)))
+    return zones
 
 
 @dataclass
@@ -199,8 +224,7 @@ class Row:
     reclaims: int = 0  # nodes taken by the cloud while the job held them
     swapped: int = 0  # warned nodes replaced make-before-break (one resize each)
     hops: int = 0  # moves to another zone (spotrain with --placement zone)
-    transfer: Transfer | None = None  # sent across zones, GB and USD (workflow rows; None:
-    # not modelled, the baselines)
+    transfer: Transfer = field(default_factory=Transfer)  # sent across zones, GB and USD
     run_s: float = 0.0
     retries: int = 0  # runs of this policy abandoned on a wedged test server
     series: Series = field(default_factory=list)
@@ -232,7 +256,6 @@ class Row:
         idle spans), left out of the second pause figure."""
         cost = self.spot_node_h * setup.spot_price + self.on_demand_node_h * setup.on_demand_price
         od = setup.on_demand_hours() * setup.max_nodes * setup.on_demand_price
-        transfer = None if self.transfer is None else self.transfer.usd
         return {
             "policy": self.policy,
             "engine": self.engine,
@@ -249,9 +272,9 @@ class Row:
             "reclaims": self.reclaims,
             "swapped": self.swapped,
             "hops_per_day": 24 * self.hops / self.wall_h if self.wall_h else 0.0,
-            "transfer_gb": None if self.transfer is None else self.transfer.zone_gb,
-            "transfer_usd": transfer,
-            "cost_with_transfer": None if transfer is None else cost + transfer,
+            "transfer_gb": self.transfer.zone_gb,
+            "transfer_usd": self.transfer.usd,
+            "cost_with_transfer": cost + self.transfer.usd,
             "recommended": self.recommended,
             "recommended_false": self.recommended_false,
             "recommended_taken": self.recommended_taken,
@@ -276,33 +299,42 @@ def overlap_h(spans: Sequence[tuple[float, float]], others: Sequence[tuple[float
 
 def oracle(setup: Setup) -> Row:
     """Every node-hour the trace offers, no restart cost, no loss, and one boot (the first,
-    at the median): no policy does better."""
-    steps, paid, series = 0.0, 0.0, []
+    at the median): no policy does better. Over several zones it spans them (`spread`),
+    paying for the bytes its ring sends across and its slower steps."""
+    steps, paid, moved, series = 0.0, 0.0, Transfer(), []
     for start, end, avail in setup.segments():
         series.append((start / 3600, avail))
-        rate = setup.steps_per_hour(avail) / 3600
+        zones = spread(setup, start, avail)
+        rate = setup.steps_per_hour(avail) / 3600 / slowdown(setup, zones)
         begin = max(start, min(end, setup.boot_median_s))  # (the first nodes still boot)
         if rate and steps + rate * (end - begin) >= setup.total_steps:
             finish = begin + (setup.total_steps - steps) / rate
             paid += avail * (finish - start) / 3600
-            return Row("oracle", "model", finish / 3600, paid, 0.0, series=series)
+            moved += sent(setup, zones, finish - begin)
+            return Row("oracle", "model", finish / 3600, paid, 0.0, series=series, transfer=moved)
         steps += rate * (end - begin)
         paid += avail * (end - start) / 3600
+        moved += sent(setup, zones, end - begin)
 
 
-def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
+def fixed_restart(setup: Setup, on_notice: bool = False, hop: bool = False) -> Row:
     """Needs all N nodes; any loss stops everything (work since the last checkpoint is
     lost) until N are back, then it restarts from that checkpoint (boot, then start-up), as
     non-elastic managed spot does. `on_notice`: it checkpoints on the reclaim notice too (a
     SIGTERM handler), saving the work when the checkpoint fits in the notice, by the same
-    rule as spotrain."""
+    rule as spotrain. Over several zones it spans them (as `spread` places its N at each
+    start), or with `hop` it runs in one zone and, when that zone cannot hold all N,
+    restarts in the first zone that can (its own first), as SkyPilot's managed spot fails
+    over between zones."""
     n, every = setup.max_nodes, setup.checkpoint_every
     saves = on_notice and setup.notice_s > 0 and setup.notice_checkpoint_fits()
-    rate = setup.steps_per_hour(n) / 3600
     started: float | None = None
-    start_step, checkpoint, lost, restarts, reclaimed, paid = 0, 0, 0, 0, 0, 0.0
-    series: Series = []
+    start_step, checkpoint, lost, restarts, reclaimed, hops, paid = 0, 0, 0, 0, 0, 0, 0.0
+    zones: list[str] = []
+    rate, moved, series = 0.0, Transfer(), []
     for start, end, avail in setup.segments():
+        if hop and started is not None:  # it runs in its zone
+            avail = setup.capacity(zones[0], start)
         if started is not None and avail < n:  # a loss: back to the last checkpoint
             step = start_step + math.floor(max(0.0, start - started - setup.start_s) * rate)
             checkpoint = step if saves else max(start_step, step - step % every)
@@ -310,19 +342,32 @@ def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
             reclaimed += n - avail
             started = None
             series.append((start / 3600, 0))
+        if hop and started is None:  # it may start in any zone that holds all N
+            room = [trace.zone for trace in setup.traces if trace.at(start) >= n]
+            avail = n if room else 0
         if started is None and avail >= n:
+            if hop:
+                home = zones[0] if zones and zones[0] in room else room[0]
+                if zones and home != zones[0]:
+                    hops += 1
+                zones = [home] * n
+            else:
+                zones = spread(setup, start, n)
             started, start_step = start, checkpoint
+            rate = setup.steps_per_hour(n) / 3600 / slowdown(setup, zones)
             restarts += 1
             series.append((start / 3600, n))
         if started is None:
             continue
         finish = started + setup.start_s + (setup.total_steps - start_step) / rate
+        training_from = max(start, started + setup.start_s)
+        moved += sent(setup, zones, max(0.0, min(end, finish) - training_from))
         if finish <= end:
             paid += n * (finish - start) / 3600
             series.append((finish / 3600, 0))
             policy = "fixed +notice ckpt" if on_notice else "fixed-restart"
             return Row(
-                policy,
+                policy + (" (hops zones)" if hop else ""),
                 "model",
                 finish / 3600,
                 paid,
@@ -330,6 +375,8 @@ def fixed_restart(setup: Setup, on_notice: bool = False) -> Row:
                 lost,
                 restarts - 1,
                 reclaimed,
+                hops=hops,
+                transfer=moved,
                 series=series,
                 startup_s=(restarts - 1) * setup.start_s,
             )
@@ -377,7 +424,8 @@ def one_zone_baselines(setup: Setup) -> list[Row]:
     """With `--placement zone` over several zones' traces, the oracle and the fixed job that
     checkpoints on the notice held to one zone too: the zone where the oracle finishes first
     (hindsight, which flatters them), so spotrain in one zone is compared with its peers. The
-    fixed job only if that zone ever offers all `max_nodes` at once."""
+    fixed job only if that zone ever offers all `max_nodes` at once; and the fixed job that
+    hops between zones, as spotrain does (if any zone ever offers them all)."""
     if setup.placement != "zone" or len(setup.traces) < 2:
         return []
     best = min(setup.traces, key=lambda t: oracle(replace(setup, traces=[t])).wall_h)
@@ -387,4 +435,6 @@ def one_zone_baselines(setup: Setup) -> list[Row]:
         rows.append(fixed_restart(one, on_notice=True))
     for row in rows:
         row.policy += f" (one zone: {best.zone})"
+    if any(max(t.data) >= setup.max_nodes for t in setup.traces):
+        rows.append(fixed_restart(setup, on_notice=True, hop=True))
     return rows

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kubernetes import client
 from temporalio.testing import ActivityEnvironment
 
@@ -186,3 +187,14 @@ def spotrain(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
         text=True,
         timeout=60,
     )
+
+
+def granted(path: Path, *roles: str) -> set[tuple[str, str]]:
+    """Every (verb, resource) that the Roles and ClusterRoles named `roles` in the RBAC file
+    `path` grant: what an audit log of a whole run must show in use, and no more."""
+    pairs = set()
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc and doc["kind"] in ("Role", "ClusterRole") and doc["metadata"]["name"] in roles:
+            for rule in doc["rules"]:
+                pairs |= {(v, r) for v in rule["verbs"] for r in rule["resources"]}
+    return pairs

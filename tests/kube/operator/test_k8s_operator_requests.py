@@ -2,7 +2,9 @@
 it acts (it marked the request Pending) and after (the workflow took the update, the outcome
 is not written yet), with the job continuing as new in between: the restarted operator sends
 the update again under the same id, and the workflow answers it from its books. Each resize
-happens once and every request ends Succeeded with the first answer.
+happens once and every request ends Succeeded with the first answer. The apiserver's audit
+log of that whole run shows the operator's ServiceAccount using every verb its ClusterRole
+grants, and no other (least privilege: nothing granted for nothing).
 
 Real: kube-apiserver with the CRDs, kubectl, the operator as a subprocess, the Temporal dev
 server and the TrainingJob workflow; the cloud and the ranks are simulated (tests/jobs.py)."""
@@ -21,6 +23,7 @@ from spotrain.workers.k8s.operator_status import workflow_id
 from spotrain.workflows.job.state import JobStatus, TimelineEntry
 from tests.jobs import continue_as_new_now, polled
 from tests.kube.k8s_cluster import ControlPlane
+from tests.kube.kube_support import ROOT, granted
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 from tests.kube.operator.operator_support import (
@@ -34,6 +37,7 @@ from tests.kube.operator.operator_support import (
 )
 
 JOB = "resized"
+OPERATOR = "system:serviceaccount:spotrain:spotrain-operator"
 
 
 def moved(size: int) -> Callable[[JobStatus], bool]:
@@ -55,6 +59,7 @@ async def test_operator_killed_around_each_resize_across_continue_as_new(
     dev_env: WorkflowEnvironment, control_plane: ControlPlane, kubectl: Kubectl, tmp_path: Path
 ) -> None:
     control_plane.ensure_namespace(NS)
+    mark = control_plane.audit_mark()
     with operator_with_simulated_worker(control_plane, kubectl, dev_env.client, tmp_path) as (
         op,
         cloud,
@@ -108,3 +113,7 @@ async def test_operator_killed_around_each_resize_across_continue_as_new(
     told = [e.event for e in timeline]
     assert told.count("scale in") == 1 and told.count("scale out") == 2, told
     assert cloud.running() == []
+    calls = control_plane.requests(OPERATOR, mark)
+    assert [r for r in calls if r.code == 403] == []
+    used = {(r.verb, r.resource) for r in calls}
+    assert used == granted(ROOT / "infra/k8s/operator-rbac.yaml", "spotrain-operator")
