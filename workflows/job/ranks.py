@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from spotrain.workflows.job import calls, job_planner
     from spotrain.workflows.job.state import JobFailed, JobState, Phase
+    from spotrain.workflows.policies.locality import grouped_by_zone
 
 
 class Ranks:
@@ -49,7 +50,7 @@ class Ranks:
         s = self.s
         previous = sum(n.procs for n in s.member_nodes)
         s.generation += 1
-        s.members, s.prepared = members, []
+        s.members, s.prepared = self._ring_order(members), []
         s.generation_checkpoint = s.checkpoint_step
         await calls.start_generation(
             job_planner.generation_plan(s),
@@ -71,11 +72,20 @@ class Ranks:
         itself waits for none of that."""
         s = self.s
         if s.spec.elastic.resize == "live" and s.running:
+            members = self._ring_order(members)
             plan = job_planner.generation_plan(s, next_members=members)
             s.prepared = members
             await calls.prepare_generation(
                 plan, f"head start of generation {plan.generation}'s new ranks"
             )
+
+    def _ring_order(self, members: list[int]) -> list[int]:
+        """A job that may span zones ranks its nodes zone by zone, so its ring crosses each
+        zone boundary once (the same order for a generation's head start and its start)."""
+        s = self.s
+        if s.spec.placement == "zone" or not workflow.patched("zone-grouped-ranks"):
+            return members
+        return grouped_by_zone(members, {m: s.node(m).zone or "" for m in members})
 
     def watch(self) -> workflow.ActivityHandle[WatchResult] | None:
         """The watch on the running generation, started anew once the report interval is up

@@ -16,7 +16,7 @@ flickering market cannot make it flap, and never while ranks hold its state in m
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -143,6 +143,15 @@ def hop_to(
         why=f"its {where} {unit_of(home, placement, regions)} offers no spot and it holds "
         f"{held} of min {min_nodes} node(s); {unit_of(away, placement, regions)} offers",
     )
+
+
+def grouped_by_zone(order: Sequence[int], zone_of: Mapping[int, str]) -> list[int]:
+    """`order` (slots in rank order) with each zone's nodes side by side: zones in the order
+    they first appear, nodes in their order within each. A ring over k zones then crosses on k
+    links, not on nearly every link as nodes bought pool by pool interleave, and rank 0
+    stays rank 0."""
+    zones = list(dict.fromkeys(zone_of[m] for m in order))
+    return [m for z in zones for m in order if zone_of[m] == z]
 
 
 @dataclass(frozen=True)
