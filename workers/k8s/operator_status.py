@@ -75,8 +75,10 @@ def workflow_id(namespace: str, name: str, uid: str) -> str:
 
 def job_name(name: str, uid: str) -> str:
     """The job's name as its pods and nodes are labelled: a DNS label of at most 50, unique
-    across namespaces and re-creations by the uid."""
-    return f"{name[:41].rstrip('-')}-{uid.replace('-', '')[:8]}"
+    across namespaces and re-creations by the uid. A resource's name may hold dots (a DNS
+    subdomain): they become dashes, so `a.b` is a valid job, not Invalid for a pattern its
+    author never wrote."""
+    return f"{name[:41].replace('.', '-').rstrip('-')}-{uid.replace('-', '')[:8]}"
 
 
 def job_input(resource: dict[str, Any]) -> dict[str, Any]:

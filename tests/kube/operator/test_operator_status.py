@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from spotrain.workers.k8s.operator_status import invalid_message, job_input, needs_release
+from spotrain.workers.k8s.operator_status import (
+    invalid_message,
+    job_input,
+    job_name,
+    needs_release,
+)
 from spotrain.workflows.job.state import JobState, NodeState, Phase
 from spotrain.workflows.spec import SpecError, parse_spec
 from tests.jobs import job_spec
@@ -47,3 +52,13 @@ def test_a_refused_spec_is_told_in_the_resources_terms() -> None:
     said = invalid_message(str(err.value))
     assert "spec.replicas" not in str(err.value) and "initial_nodes" not in said
     assert "replicas (9) outside" in said, said
+
+
+@pytest.mark.parametrize("name", ["a.b", "team.a.mnist", "x" * 40 + ".y", "a" * 253])
+def test_any_name_the_apiserver_accepts_makes_a_valid_job(name: str) -> None:
+    """A TrainingJob's name is a DNS subdomain (dots, up to 253); the job's name, a DNS label
+    of at most 50, is derived from it and the uid, and the job spec accepts it."""
+    spec = {k: v for k, v in job_spec().items() if k != "name"}
+    resource = {"metadata": {"name": name, "uid": "0123-4567-89ab"}, "spec": spec}
+    assert parse_spec(job_input(resource)).name == job_name(name, "0123-4567-89ab")
+    assert job_name(name, "0123-4567-89ab").endswith("-01234567")
