@@ -254,7 +254,7 @@ async def running_webhook(
         # A service that closes idle connections within a short header timeout can close one
         # just as the client reuses it (a reset, seen beside two busy loops at 1 s): then the
         # test client opens a connection per request, as a notice sender does.
-        short = config.get("header_timeout_s", 10.0) < 5
+        short = service.config.header_timeout_s < 5
         try:
             async with aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(force_close=short)
