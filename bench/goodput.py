@@ -15,7 +15,6 @@ baselines are small pure-Python models over the same trace and progress model
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import heapq
 import logging
@@ -28,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from temporalio import activity
@@ -48,7 +46,8 @@ from spotrain.workflows.contract import (
 )
 from spotrain.workflows.job.state import JobResult, JobStatus
 
-from .common import REPO, load_traces, publish, table
+from .common import REPO, publish, table
+from .goodput_args import parse_args
 from .goodput_harness import RowLog, RunFn, Wedged, on_fresh_server
 from .goodput_live import lognormal_boot, measured_live_pauses
 from .goodput_model import (
@@ -484,103 +483,8 @@ async def benchmark(
     return rows
 
 
-def parse_args(argv: list[str] | None) -> tuple[Setup, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="bench.goodput", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--trace",
-        action="append",
-        default=[],
-        metavar="[ZONE=]PATH",
-        help="a trace file; repeat for several zones (default: shared us-east-2b)",
-    )
-    defaults = Setup(traces=[])
-    for name in (
-        "max_nodes",
-        "min_nodes",
-        "base_nodes",
-        "work_node_hours",
-        "steps_per_node_hour",
-        "scaling_efficiency",
-        "checkpoint_minutes",
-        "restart_cost_s",
-        "notice_s",
-        "checkpoint_s",
-        "grace_s",
-        "rebalance_fp_rate",
-        "rebalance_lead_min_s",
-        "rebalance_lead_max_s",
-        "max_surge_nodes",
-        "state_gb",
-        "gradient_gb",
-        "sync_steps_per_s",
-        "cross_zone_slowdown",
-        "boot_median_s",
-        "boot_sigma",
-        "seed",
-        "spot_price",
-        "on_demand_price",
-        "deadline_h",
-        "deadline_margin_s",
-        "run_timeout_s",
-        "wedge_s",
-    ):
-        default = getattr(defaults, name)
-        p.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=int if isinstance(default, int) else float,
-            default=default,
-        )
-    p.add_argument(
-        "--resize",
-        choices=["live", "restart", "both"],
-        default="live",
-        help="spotrain's elastic.resize: live (the product's, default), restart, or both "
-        "(live's rows, then restart's marked '(restart)')",
-    )
-    p.add_argument(
-        "--live-resize-results",
-        dest="live_results",
-        default="",
-        metavar="PATH",
-        help="live mode's pauses from this bench.live_resize results file (default: the "
-        "data-parallel file measured nearest --state-gb; e.g. "
-        "bench/results/live_resize_fsdp_25m.json)",
-    )
-    p.add_argument(
-        "--placement",
-        choices=["zone", "region", "any"],
-        default=defaults.placement,
-        help="spotrain's placement (default any: a job spans the traces' zones, traffic "
-        "unbilled, like the baselines; zone: one zone at a time, hopping)",
-    )
-    p.add_argument("--no-deadline", action="store_true", help="skip the deadline policies")
-    p.add_argument("--no-mbb", action="store_true", help="skip the make-before-break rows")
-    p.add_argument(
-        "--rebalance",
-        action="store_true",
-        help="rebalance recommendations ahead of drops, false ones too (the --rebalance-* "
-        "flags; default: the published sample), and a '+mbb always' twin",
-    )
-    p.add_argument(
-        "--only",
-        default="",
-        metavar="P,P,...",
-        help="only these spotrain policies: elastic, +fallback, +od-base",
-    )
-    p.add_argument(
-        "--deadline-factors",
-        default="",
-        metavar="F,F,...",
-        help="also sweep deadlines at these multiples of the all-on-demand time",
-    )
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    args = p.parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if hasattr(defaults, k) and k != "resize"}
-    return replace(defaults, **fields, traces=load_traces(args.trace)), args
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    setup, args = parse_args(argv)
+    setup, args = parse_args(argv, __doc__.split("\n\n")[0])
     logging.getLogger("temporalio").setLevel(logging.ERROR)  # capacity errors are expected
     began = time.monotonic()
     pauses, pauses_from = measured_live_pauses(setup.state_gb, setup.live_results)
