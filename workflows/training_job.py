@@ -5,11 +5,12 @@ main loop alternates between two states: no generation running (order nodes, wai
 of them, gang-start the next generation) and a generation running (watch it, react to
 events). Every resize ends generation g and starts g+1 from the latest complete checkpoint.
 
-Signals and updates only queue events (`events`); the main loop is the one place that acts
-on them, so decisions are sequential and easy to follow. All state lives in `JobState`, which
-continue-as-new carries whole. This module only sequences: every decision is a pure function
-of `job_planner` (state in, plan out), and every side effect an activity called through
-`calls`: by `fleet` for the job's nodes, by `ranks` for its training processes.
+Signals and updates (`training_job_handlers.py`) only queue events (`events`); the main loop
+is the one place that acts on them, so decisions are sequential and easy to follow. All state
+lives in `JobState`, which continue-as-new carries whole. This module only sequences, on top
+of `job/`, `capacity/` and `policies/`: every decision is a pure function of `job_planner`
+(state in, plan out), and every side effect an activity called through `calls`: by `fleet`
+for the job's nodes, by `ranks` for its training processes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
@@ -30,11 +30,6 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows.contract import (
         CONFIG_ERROR,
         CleanupRequest,
-        Empty,
-        ReclaimNotice,
-        ScaleIn,
-        ScaleOut,
-        SetBudget,
         WatchResult,
     )
     from spotrain.workflows.history import history_is_long
@@ -42,29 +37,27 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows.job.alarms import SHORTEST_WAIT_S, Alarms
     from spotrain.workflows.job.departures import Departures
     from spotrain.workflows.job.ranks import Ranks
-    from spotrain.workflows.job.signal_input import GRANT, NODE_LOST, RECLAIM
     from spotrain.workflows.job.state import (
         JobFailed,
         JobResult,
         JobState,
-        JobStatus,
         NodeRecord,
         NodeState,
         Phase,
-        TimelineEntry,
     )
-    from spotrain.workflows.policies import budget, budget_hooks, deadline_hooks, timed_scale_out
+    from spotrain.workflows.policies import budget_hooks, deadline_hooks, timed_scale_out
     from spotrain.workflows.policies.make_before_break_hooks import Swapper
     from spotrain.workflows.policies.stragglers_hooks import StragglerWatch
     from spotrain.workflows.policies.timed_scale_out_hooks import ScaleOutWaits
     from spotrain.workflows.spec import SpecError, parse_spec
+    from spotrain.workflows.training_job_handlers import TrainingJobHandlers
 
 INVALID_SPEC = "InvalidSpec"
 JOB_FAILED = "JobFailed"
 
 
 @workflow.defn(name="TrainingJob")
-class TrainingJob:
+class TrainingJob(TrainingJobHandlers):
     @workflow.init
     def __init__(self, spec: Any, carried: JobState | None = None) -> None:
         self.s: JobState | None = carried
@@ -134,125 +127,6 @@ class TrainingJob:
                 str(err), self.result().model_dump(mode="json"), type=JOB_FAILED, non_retryable=True
             ) from None
         return self.result()
-
-    @workflow.signal(name=RECLAIM.name)
-    def _reclaim_signal(self, raw: RawValue) -> None:
-        if notice := RECLAIM.read(raw, self.s):
-            self.reclaim(notice)
-
-    def reclaim(self, notice: ReclaimNotice) -> None:
-        """A notice (the signal's, or one the ranks found), queued once per event id."""
-        if self.s and self.s.remember(notice.event_id):
-            self.s.inbox.append(
-                events.Reclaim(
-                    kind="reclaim" if notice.kind == "interruption" else notice.kind,
-                    node_id=notice.node_id,
-                    deadline=notice.deadline,
-                )
-            )
-
-    @workflow.signal(name=NODE_LOST.name)
-    def node_lost(self, raw: RawValue) -> None:
-        lost = NODE_LOST.read(raw, self.s)
-        if lost and self.s and self.s.remember(lost.event_id):
-            self.s.inbox.append(events.Lost(node_id=lost.node_id))
-
-    @workflow.signal(name=GRANT.name)
-    def grant(self, raw: RawValue) -> None:
-        grant = GRANT.read(raw, self.s)
-        if grant and self.s and grant.seq > self.s.grant_seen:
-            self.s.grant_seen = grant.seq
-            self.s.inbox.append(events.Grant(grant=grant))
-
-    @workflow.update(name="scale_out")
-    async def scale_out(self, req: ScaleOut) -> str:
-        s = self._active_state()
-        update_id = _update_id()
-        if update_id in s.update_answers:  # a repeat from before continue-as-new
-            return s.update_answers[update_id]
-        if req.timeout_s is None:
-            s.inbox.append(events.ScaleOut(count=req.count))
-            return s.remember_answer(update_id, f"scaling out by {req.count} node(s)")
-        return s.remember_answer(
-            update_id, await self.scale_out_waits.ask(req.count, req.timeout_s)
-        )
-
-    @scale_out.validator
-    def _check_scale_out(self, req: ScaleOut) -> None:
-        s = self._active_state()
-        if _update_id() in s.update_answers:
-            return  # answered before: the repeat gets that answer, whatever holds now
-        if error := job_planner.scale_out_error(s, req.count) or (
-            req.timeout_s is not None and timed_scale_out.busy(s)
-        ):
-            raise ValueError(error)
-
-    @workflow.update(name="scale_in")
-    def scale_in(self, req: ScaleIn) -> str:
-        s = self._active_state()
-        update_id = _update_id()
-        if update_id in s.update_answers:  # a repeat from before continue-as-new
-            return s.update_answers[update_id]
-        s.inbox.append(events.ScaleIn(count=req.count, node_ids=req.node_ids))
-        count = req.count or len(req.node_ids or [])
-        return s.remember_answer(update_id, f"scaling in by {count} node(s)")
-
-    @scale_in.validator
-    def _check_scale_in(self, req: ScaleIn) -> None:
-        s = self._active_state()
-        if _update_id() in s.update_answers:
-            return  # answered before (a named worker may be gone by now: that was this)
-        if error := job_planner.scale_in_error(s, req):
-            raise ValueError(error)
-
-    @workflow.update(name="pause")
-    def pause(self, _: Empty) -> str:
-        self._active_state().inbox.append(events.Pause())
-        return "pausing: workers checkpoint, then every node is released"
-
-    @pause.validator
-    def _check_pause(self, _: Empty) -> None:
-        if self._active_state().phase == Phase.PAUSED:
-            raise ValueError("already paused")
-
-    @workflow.update(name="resume")
-    def resume(self, _: Empty) -> str:
-        self._active_state().inbox.append(events.Resume())
-        return "resuming"
-
-    @resume.validator
-    def _check_resume(self, _: Empty) -> None:
-        s = self._active_state()
-        if s.phase != Phase.PAUSED and not any(isinstance(e, events.Pause) for e in s.inbox):
-            raise ValueError("not paused")
-        if error := budget_hooks.resume_error(s, self._now()):
-            raise ValueError(error)
-
-    @workflow.update(name="set_budget")
-    def set_budget(self, req: SetBudget) -> str:
-        return budget_hooks.set_cap(self._active_state(), req.usd, self._now())
-
-    @set_budget.validator
-    def _check_set_budget(self, req: SetBudget) -> None:
-        if error := budget.set_error(req.usd):
-            raise ValueError(error)
-
-    @workflow.query(name="status")
-    def status(self) -> JobStatus:
-        return self._active_state().status(self._now())
-
-    @workflow.query(name="timeline")
-    def timeline(self) -> list[TimelineEntry]:
-        """The whole timeline kept (the last 400 events; `status` has the last 20)."""
-        return self._active_state().timeline
-
-    def result(self) -> JobResult:
-        return self._active_state().result(self._now())
-
-    def _active_state(self) -> JobState:
-        if self.s is None:
-            raise ValueError(self.invalid or "job not started")
-        return self.s
 
     # --- the main loop -----------------------------------------------------------------------
 
@@ -595,15 +469,3 @@ class TrainingJob:
         if attributes.shown(s) != self._published:
             self._published = attributes.shown(s)
             workflow.upsert_search_attributes(attributes.updates(s, self._now()))
-
-    def _now(self) -> datetime:
-        return workflow.now()
-
-
-def _update_id() -> str:
-    """The running update's id. Temporal answers a repeated id with the first outcome only
-    within one run, so the scale updates also keep their answers in JobState (carried by
-    continue-as-new): the operator repeats them under the same id after a crash."""
-    info = workflow.current_update_info()
-    assert info is not None, "called outside an update"
-    return info.id
