@@ -87,10 +87,14 @@ async def sweep(setup: Setup, factors: list[float]) -> dict[str, Any]:
     """Each policy at each deadline (factor x the all-on-demand time): whether it met it, and
     its cost against all on-demand and against the greedy controller at the same deadline."""
     rows: list[dict[str, Any]] = []
+    abandoned: list[float] = []
     for factor in factors:
         at = replace(setup, deadline_h=factor * setup.on_demand_hours())
         results = {p: await on_fresh_server(at, p, run) for p, run in deadline_runs(at)}
-        reports = {p: r.report(at, 1.0) for p, r in results.items()}
+        reports = {p: r.report(at, 1.0) for p, r in results.items() if r is not None}
+        if "greedy controller" not in reports:  # wedged every time: nothing to compare with
+            abandoned.append(factor)
+            continue
         for policy, report in reports.items():
             rows.append(
                 {
@@ -113,4 +117,4 @@ async def sweep(setup: Setup, factors: list[float]) -> dict[str, Any]:
         for policy in ("spotrain deadline", "greedy controller")
         if (mine := [r for r in rows if r["policy"] == policy])
     }
-    return {"rows": rows, "summary": summary}
+    return {"rows": rows, "summary": summary, "abandoned_factors": abandoned}

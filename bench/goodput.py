@@ -461,7 +461,7 @@ async def benchmark(
     """Every policy on the same trace and work: the baselines, then spotrain's runs in each
     resize mode of `modes` (the first unmarked, the others' policies marked with theirs),
     each on a fresh time-skipping server (a test-server wedge in one run cannot hold up the
-    next); each row goes to `log` as it completes."""
+    next); each row goes to `log` as it completes, and so does each policy abandoned."""
     rows = [
         oracle(setup),
         all_on_demand(setup),
@@ -477,6 +477,9 @@ async def benchmark(
         for policy, run in spotrain_runs(at, deadline, mbb, only):
             name = policy + ("" if mode == modes[0] else f" ({mode})")
             row = await on_fresh_server(at, name, run)
+            if row is None:
+                log.abandon(name)
+                continue
             row.policy = name
             log.write(row.report(setup, rows[0].wall_h, rows[0].idle()))
             rows.append(row)
@@ -514,6 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "load_average": os.getloadavg(),
         "rows": [r.report(setup, oracle_h, rows[0].idle()) for r in rows],
+        "abandoned": log.abandoned,
         "deadline_sweep": sweep,
         "bench_s": time.monotonic() - began,
     }

@@ -5,11 +5,16 @@ once, so that a killed benchmark keeps what it measured.
 The time-skipping test server sometimes wedges a workflow task ("invalid history builder
 state for action"): the server and this process then sit nearly idle while the run awaits a
 result that never comes, and the server's clock, no longer skipping, only keeps pace with
-real time (seen: 0.05 CPU-s/s for both, server time +3 s per 3 s). A watchdog samples the
-server's time and the CPU time of this process and its children (the server) every
-`wedge_s / 6` seconds; when for `wedge_s` the server time has not skipped ahead and the CPU
-has stayed under `STILL_CPU`, the run is abandoned and retried at once on a fresh server. A
-working run does one or the other: it skips hours of server time a second, or it computes.
+real time (seen: 0.05 CPU-s/s for both, server time +3 s per 3 s, with a jump once a minute).
+A watchdog samples the server's time and the CPU this process and its children (the server)
+asked for, every `wedge_s / 6` seconds. A run is wedged when, over the last `wedge_s`, the
+server's clock moved less than `SKIPPING` times real time (a real-time pace and its jumps
+count as still) and the processes asked for under `STILL_CPU` of a core: CPU they used plus
+time they waited runnable for a core (/proc/PID/schedstat), so a run starved on a loaded
+machine, which wants CPU it does not get, is not taken for a wedged one. A working run does
+one or the other: it skips hours of server time a second, or it computes (or waits to).
+A wedged run is abandoned and retried on a fresh server; a policy wedged every time is
+reported as abandoned and the benchmark goes on with the next.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from temporalio.testing import WorkflowEnvironment
 from .common import time_skipping_server
 from .goodput_model import Row, Setup
 
-RETRIES = 2  # fresh servers a policy's run gets after a wedged one
-STILL_CPU = 0.15  # CPU seconds per second (all processes together) that count as idle
-SKIPPING = 2.0  # server seconds per real second above which the server is skipping time
+RETRIES = 3  # fresh servers a policy's run gets after a wedged one
+STILL_CPU = 0.15  # CPU asked for (used or waited for), in cores, that counts as idle
+SKIPPING = 10.0  # server seconds per real second, over `wedge_s`, that count as skipping
 CANCEL_WAIT_S = 10.0  # how long an abandoned run gets to unwind before the server goes
 SEEN = 12  # watchdog samples printed when a run passes its timeout
 
@@ -44,10 +49,11 @@ class Wedged(Exception):
     """The time-skipping test server stopped moving a run (its time or its workflow)."""
 
 
-def cpu_seconds(root: int) -> float:
-    """CPU time used by `root` and every process below it (from /proc; 0 where absent)."""
+def cpu_demand(root: int) -> float:
+    """Seconds `root` and every process below it spent on a CPU or runnable waiting for one
+    (/proc/PID/schedstat; 0 where absent): what they asked for, whether or not they got it."""
     tree: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
+    asked: dict[int, int] = {}
     proc = Path("/proc")
     if not proc.is_dir():
         return 0.0
@@ -55,27 +61,27 @@ def cpu_seconds(root: int) -> float:
         if not entry.name.isdigit():
             continue
         try:
-            text = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
+            stat = (entry / "stat").read_text()
+            on_cpu_ns, waited_ns = (entry / "schedstat").read_text().split()[:2]
+        except (OSError, ValueError):  # gone meanwhile
             continue
-        fields = text[text.rindex(")") + 2 :].split()
         pid = int(entry.name)
-        tree.setdefault(int(fields[1]), []).append(pid)
-        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+        tree.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(pid)
+        asked[pid] = int(on_cpu_ns) + int(waited_ns)
     total, todo = 0, [root]
     while todo:
         pid = todo.pop()
-        total += ticks.get(pid, 0)
+        total += asked.get(pid, 0)
         todo += tree.get(pid, [])
-    return total / os.sysconf("SC_CLK_TCK")
+    return total / 1e9
 
 
-Sample = tuple[datetime | None, float, float]  # server time (None: no answer), CPU s, real s
+Sample = tuple[datetime | None, float, float]  # server time (None: no answer), CPU asked, real s
 
 
 def describe(before: Sample, after: Sample) -> str:
-    """Server seconds and CPU seconds per real second between two samples (for the log of a
-    run abandoned on its timeout: which of the two kept it from counting as still)."""
+    """Server seconds and CPU asked for per real second between two samples (for the log of
+    a run abandoned on its timeout: which of the two kept it from counting as still)."""
     real = max(after[2] - before[2], 1e-9)
     server = (
         "no answer"
@@ -86,8 +92,8 @@ def describe(before: Sample, after: Sample) -> str:
 
 
 def still(before: Sample, after: Sample) -> bool:
-    """Between two samples the server did not skip time (its clock, if it answered, kept at
-    most real time's pace) and the CPU stayed idle."""
+    """Between two samples the server did not skip time (its clock, if it answered, kept
+    about real time's pace) and the processes asked for next to no CPU."""
     real = after[2] - before[2]
     skipped = (
         after[0] is not None
@@ -103,40 +109,40 @@ async def _sample(env: WorkflowEnvironment) -> Sample:
         now: datetime | None = await asyncio.wait_for(env.get_current_time(), 5)
     except (TimeoutError, RPCError):  # (a server that does not answer does not move)
         now = None
-    return now, cpu_seconds(os.getpid()), real
+    return now, cpu_demand(os.getpid()), real
 
 
 async def watched(env: WorkflowEnvironment, run: Awaitable[Row], wedge_s: float) -> Row:
-    """`run`'s row; `Wedged` once the server skipped no time and the CPU stayed idle for
-    `wedge_s` real seconds (the run is cancelled first)."""
+    """`run`'s row; `Wedged` once the run was still over the last `wedge_s` real seconds,
+    taken as a whole (the run is cancelled first)."""
     task = asyncio.ensure_future(run)
-    period = wedge_s / 6
-    last, still_since = await _sample(env), time.monotonic()
+    window: deque[Sample] = deque([await _sample(env)])
     seen: deque[str] = deque(maxlen=SEEN)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=period)
+            done, _ = await asyncio.wait({task}, timeout=wedge_s / 6)
             if done:
                 return task.result()
             sample = await _sample(env)
-            seen.append(describe(last, sample))
-            if not still(last, sample):
-                still_since = time.monotonic()
-            elif time.monotonic() - still_since >= wedge_s:
+            seen.append(describe(window[-1], sample))
+            window.append(sample)
+            while len(window) > 2 and sample[2] - window[1][2] >= wedge_s:
+                window.popleft()  # (the oldest sample kept is the newest one wedge_s old)
+            if sample[2] - window[0][2] >= wedge_s and still(window[0], sample):
                 task.cancel()
                 await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
-                raise Wedged(f"no time skipped and CPU idle for {wedge_s:.0f} s")
-            last = sample
+                raise Wedged(f"no time skipped and no CPU asked for in {wedge_s:.0f} s")
     except asyncio.CancelledError:  # `run_timeout_s` passed: say what the watchdog saw
         print(f"run timed out; the watchdog's last samples: {'; '.join(seen)}", file=sys.stderr)
         task.cancel()
         raise
 
 
-async def on_fresh_server(setup: Setup, policy: str, run: RunFn) -> Row:
+async def on_fresh_server(setup: Setup, policy: str, run: RunFn) -> Row | None:
     """One policy's run on its own time-skipping server; a run the server wedges (or that
     passes `run_timeout_s`) is abandoned and retried on a fresh server, up to RETRIES times
-    (counted in the row's `retries`)."""
+    (counted in the row's `retries`). None: wedged every time (the caller goes on without
+    this row and reports it abandoned)."""
     for retry in range(RETRIES + 1):
         try:
             async with time_skipping_server() as env:
@@ -149,15 +155,17 @@ async def on_fresh_server(setup: Setup, policy: str, run: RunFn) -> Row:
         row.retries = retry
         print(f"{policy}: {row.run_s:.0f} s", file=sys.stderr, flush=True)
         return row
-    raise RuntimeError(f"{policy}: the test server wedged {RETRIES + 1} times in a row")
+    print(f"{policy}: wedged {RETRIES + 1} times in a row: abandoned", file=sys.stderr)
+    return None
 
 
 class RowLog:
     """Each finished row, appended to a JSON-lines file as it completes; removed once the
-    whole report is written."""
+    whole report is written. Also the policies abandoned on wedged servers, for the report."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
+        self.abandoned: list[str] = []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("")
@@ -166,6 +174,10 @@ class RowLog:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
+
+    def abandon(self, policy: str) -> None:
+        self.abandoned.append(policy)
+        self.write({"policy": policy, "abandoned": f"wedged {RETRIES + 1} times in a row"})
 
     def done(self) -> None:
         if self.path is not None:

@@ -281,7 +281,7 @@ def handler_doc(fn: Any, arg: Any, ret: Any) -> str:
 def workflow_page() -> str:
     from spotrain.workflows.capacity.pool import CapacityPool
     from spotrain.workflows.job import attributes, signal_input
-    from spotrain.workflows.job.training_job import TrainingJob
+    from spotrain.workflows.training_job import TrainingJob
 
     out = [
         "# Workflow API reference\n\n",

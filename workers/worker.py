@@ -29,8 +29,8 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from spotrain.workers import metrics
 from spotrain.workers.connect import TASK_QUEUE, Unreachable, connect, give_up
 from spotrain.workflows.capacity.pool import CapacityPool
-from spotrain.workflows.job.training_job import TrainingJob
 from spotrain.workflows.release import ReleaseJob
+from spotrain.workflows.training_job import TrainingJob
 
 WORKFLOWS = [TrainingJob, CapacityPool, ReleaseJob]
 # spotrain's own modules pass through the workflow sandbox, so each class exists once: the

@@ -4,19 +4,13 @@ against hand-computed answers, since the spotrain rows are judged against them."
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import re
-import statistics
-import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from temporalio.service import RPCError, RPCStatusCode
 
-from bench import checkpoint, goodput, goodput_harness, karpenter, live_resize, reaction, scale
+from bench import checkpoint, goodput, karpenter, live_resize, reaction, scale
 from bench.common import SHARED_TRACES, Trace, summary
 from tests.kube.k8s_cluster import control_plane_or_skip
 
@@ -207,97 +201,3 @@ def test_checkpoint_benchmark_sync_and_async_to_files_and_s3(tmp_path: Path) -> 
     assert set(rows) == {(t, m) for t in ("file", "s3") for m in ("sync", "async")}
     assert all(r["durable_median_s"] > 0 and r["blocked_median_s"] > 0 for r in rows.values())
     assert json.loads((tmp_path / "checkpoint.json").read_text())["setup"]["mb"] == 4
-
-
-async def test_a_wedged_run_is_detected_and_retried_on_a_fresh_server(tmp_path: Path) -> None:
-    """A run whose server time stops moving raises Wedged (the env here is a stand-in whose
-    skips time out, as the wedged test server's do); the policy's run then gets a fresh real
-    time-skipping server, and the row counts the retry."""
-
-    class StuckEnv:
-        async def get_current_time(self) -> datetime:
-            return T0
-
-        async def sleep(self, _: float) -> None:
-            raise RPCError("timeout", RPCStatusCode.CANCELLED, b"")
-
-    setup = goodput.Setup(traces=[Trace.load(write_trace(tmp_path / "a.json", TICKS_A))])
-    stuck = goodput.Run(StuckEnv(), setup, None, None, "q", T0)  # type: ignore[arg-type]
-    with pytest.raises(goodput.Wedged):
-        await stuck.sleep_until(600)
-    servers: list[object] = []
-
-    async def wedged_once(env: object) -> goodput.Row:
-        servers.append(env)
-        if len(servers) == 1:
-            raise goodput.Wedged("server time stuck")
-        return goodput.Row("p", "workflow", 1.0, 1.0, 0.0)
-
-    row = await goodput.on_fresh_server(setup, "p", wedged_once)
-    assert row.retries == 1 and len(servers) == 2 and servers[0] is not servers[1]
-
-
-async def test_a_run_whose_server_stops_skipping_time_with_cpu_idle_is_abandoned(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The watchdog: a run that awaits forever while the server's clock only keeps pace with
-    real time and the CPU idles (what a wedged workflow task looks like) raises Wedged after
-    `wedge_s`; one whose server skips time is left to finish, and so is one that computes."""
-
-    class Env:
-        def __init__(self, skip_s: float) -> None:
-            self.skip_s = skip_s
-
-        async def get_current_time(self) -> datetime:
-            return T0 + timedelta(seconds=time.monotonic() * (1 + self.skip_s))
-
-    cpu = {"s": 42.0}
-    monkeypatch.setattr(goodput_harness, "cpu_seconds", lambda _pid: cpu["s"])
-    began = time.monotonic()
-    with pytest.raises(goodput.Wedged):
-        await goodput_harness.watched(Env(0), asyncio.Event().wait(), wedge_s=0.6)  # type: ignore[arg-type]
-    assert time.monotonic() - began < 5
-
-    async def slow_run(busy: bool) -> goodput.Row:
-        for _ in range(15):
-            await asyncio.sleep(0.1)
-            cpu["s"] += 0.1 if busy else 0.0
-        return goodput.Row("p", "workflow", 1.0, 1.0, 0.0)
-
-    skipping = await goodput_harness.watched(Env(3600), slow_run(False), wedge_s=0.6)  # type: ignore[arg-type]
-    computing = await goodput_harness.watched(Env(0), slow_run(True), wedge_s=0.6)  # type: ignore[arg-type]
-    assert skipping.policy == computing.policy == "p"
-    assert goodput_harness.cpu_seconds(os.getpid()) > 0  # this process has run
-
-
-async def test_a_run_past_its_timeout_says_what_the_watchdog_saw(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A run the watchdog never calls still (its server skipping time) that passes
-    `run_timeout_s` prints the watchdog's last samples, so a wedge it missed shows why."""
-
-    class Skipping:
-        async def get_current_time(self) -> datetime:
-            return T0 + timedelta(seconds=time.monotonic() * 3601)
-
-    monkeypatch.setattr(goodput_harness, "cpu_seconds", lambda _pid: 42.0)
-    watched = goodput_harness.watched(Skipping(), asyncio.Event().wait(), wedge_s=0.6)  # type: ignore[arg-type]
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(watched, 1.0)
-    said = capsys.readouterr().err
-    assert said.startswith("run timed out; the watchdog's last samples: server "), said
-    samples = re.findall(r"server ([\d.e+]+) s/s, CPU ([\d.]+)", said)
-    assert samples and all(cpu == "0.00" for _, cpu in samples), said
-    # Each rate is sampled between two real-time reads a scheduler hiccup may stretch (one
-    # read 3.33e+03 on a loaded machine): their median is the server's 3,601 s/s.
-    assert 0.5 * 3601 < statistics.median(float(rate) for rate, _ in samples) < 1.5 * 3601, said
-
-
-def test_each_finished_row_is_written_as_it_completes(tmp_path: Path) -> None:
-    log = goodput_harness.RowLog(tmp_path / "rows.jsonl")
-    log.write({"policy": "a"})
-    log.write({"policy": "b"})
-    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
-    assert [json.loads(line)["policy"] for line in lines] == ["a", "b"]
-    log.done()
-    assert not (tmp_path / "rows.jsonl").exists()
