@@ -1,16 +1,17 @@
 """A burst of reclaim notices through the real webhook process: latency and non-2xx answers.
 
     .venv/bin/python -m bench.webhook_burst [--notices 2000] [--concurrency 50] [--jobs 20]
-        [--nodes 4] [--visibility-rps N] [--modes before query_per_notice after]
+        [--visibility-rps N] [--modes before query_per_notice after]
 
 The Temporal dev server allowing `--visibility-rps` (40) visibility calls a second (where the
 webhook as it was before issue 27 answered a few percent of this burst 503), `python -m
-spotrain.workers.webhook.server` as a process of its own, and N running jobs: a stand-in workflow
-that upserts `SpotrainNodeIds` as TrainingJob does and keeps the event ids it is signalled
-(the real workflow would shrink on each notice; what is measured here is the webhook). The
-notices (`POST /v1/reclaims`, kind `rebalance`, one event id each, round robin over every
-job's nodes) go out `--concurrency` at a time, each batch once the previous one is answered,
-as the issue's burst did. Per mode, on fresh jobs:
+spotrain.workers.webhook.server` as a process of its own, and N running TrainingJobs (the
+real workflow in a spotrain worker, on the simulated cloud and runtime: no processes) at
+full size, which upsert `SpotrainNodeIds` as they do anywhere. The notices (`POST
+/v1/reclaims`, kind `rebalance`, one event id each, round robin over every job's nodes) go
+out `--concurrency` at a time, each batch once the previous one is answered, as the issue's
+burst did; a job without make-before-break notes each recommendation and trains on, so the
+jobs keep their nodes through the burst. Per mode, on fresh jobs:
 
 - `before`: SPOTRAIN_WEBHOOK_OWNER_CACHE_TTL_S=0 and SPOTRAIN_WEBHOOK_BUSY_RETRY_S=0.75: a
   visibility query per notice and the 0.75 s retry budget the webhook had before issue 27;
@@ -18,9 +19,9 @@ as the issue's burst did. Per mode, on fresh jobs:
 - `after`: the defaults (the owner index, 4 s).
 
 Reported: request latency (sent to answered, client side) p50/p99/max, non-2xx answers,
-notices lost (answered, but their event never reached the job: what the node termination
-handler, which does not retry, would lose), the webhook's own visibility-call and retry
-counters, and the machine's load average.
+notices lost (sent, but their event id is in no job's history as a `reclaim` signal: what
+the node termination handler, which does not retry, would lose), the webhook's own
+visibility-call and retry counters, and the machine's load average.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -37,19 +39,20 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from temporalio import workflow
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
-from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from spotrain.workflows.contract import ReclaimNotice
-from spotrain.workflows.job import attributes
+from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workers.worker import workflow_worker
+from spotrain.workflows.job.signal_input import RECLAIM
 
 from .common import REPO, dev_server, publish, summary
+from .scale import NotifiedRuntime, job_spec, until
 
 TOKEN = "bench-token-not-a-secret"
 MODES: dict[str, dict[str, str]] = {
@@ -70,27 +73,6 @@ COLUMNS = [
     "retries",
     "seconds",
 ]
-
-
-@workflow.defn(name="BurstJob")
-class BurstJob:
-    """Owns its nodes (as TrainingJob's search attribute says) and keeps what it is told."""
-
-    def __init__(self) -> None:
-        self.events: set[str] = set()
-
-    @workflow.run
-    async def run(self, node_ids: list[str]) -> None:
-        workflow.upsert_search_attributes([attributes.NODE_IDS.value_set(node_ids)])
-        await workflow.wait_condition(lambda: False)
-
-    @workflow.signal(name="reclaim")
-    def reclaim(self, notice: ReclaimNotice) -> None:
-        self.events.add(notice.event_id)
-
-    @workflow.query
-    def received(self) -> int:
-        return len(self.events)
 
 
 def _free_port() -> int:
@@ -132,17 +114,17 @@ async def webhook_process(address: str, settings: dict[str, str]) -> AsyncIterat
 
 
 async def start_jobs(
-    client: Client, task_queue: str, jobs: int, nodes: int
+    client: Client, task_queue: str, runtime: NotifiedRuntime, jobs: int
 ) -> dict[str, WorkflowHandle[Any, Any]]:
-    """node id -> its job, once the visibility store shows every job."""
+    """node id -> its job, once every job runs at full size and the visibility store shows
+    each with its nodes."""
     run = uuid.uuid4().hex[:6]
-    owners: dict[str, WorkflowHandle[Any, Any]] = {}
-    for j in range(jobs):
-        node_ids = [f"i-0{run}{j:03d}{n:02d}" for n in range(nodes)]
-        handle = await client.start_workflow(
-            "BurstJob", node_ids, id=f"burst-{run}-{j}", task_queue=task_queue
-        )
-        owners |= {node: handle for node in node_ids}
+    names = [f"burst-{run}-{j}" for j in range(jobs)]
+    handles = [
+        await client.start_workflow("TrainingJob", job_spec(n, 30), id=n, task_queue=task_queue)
+        for n in names
+    ]
+    await until(lambda: all(runtime.full_generation(n) for n in names), 60 + jobs, "full size")
     query = f"WorkflowId STARTS_WITH 'burst-{run}-' AND SpotrainNodeIds IS NOT NULL"
     while True:
         try:
@@ -153,7 +135,18 @@ async def start_jobs(
                 raise
         await asyncio.sleep(0.5)
     await asyncio.sleep(1.5)  # a rate-limited namespace refills before the burst
-    return owners
+    return {node: h for h in handles for node in runtime.full_generation(h.id) or []}
+
+
+async def signalled(handle: WorkflowHandle[Any, Any]) -> set[str]:
+    """The event ids of the `reclaim` signals in the job's history (every run of it)."""
+    ids: set[str] = set()
+    async for event in handle.fetch_history_events():
+        if event.HasField("workflow_execution_signaled_event_attributes"):
+            attrs = event.workflow_execution_signaled_event_attributes
+            if attrs.signal_name == RECLAIM.name:
+                ids.add(json.loads(attrs.input.payloads[0].data)["event_id"])
+    return ids
 
 
 async def metric(http: aiohttp.ClientSession, url: str, name: str) -> int:
@@ -163,13 +156,14 @@ async def metric(http: aiohttp.ClientSession, url: str, name: str) -> int:
                if line.startswith(name))  # fmt: skip
 
 
-async def burst(client: Client, task_queue: str, mode: str, args: argparse.Namespace) -> dict:
-    owners = await start_jobs(client, task_queue, args.jobs, args.nodes)
+async def burst(
+    client: Client, task_queue: str, runtime: NotifiedRuntime, mode: str, args: argparse.Namespace
+) -> dict:
+    owners = await start_jobs(client, task_queue, runtime, args.jobs)
     nodes = sorted(owners)
     address = client.service_client.config.target_host
     statuses: Counter[int] = Counter()
     latencies: list[float] = []
-    accepted: Counter[str] = Counter()  # job id -> notices answered 200 for it
     async with (
         webhook_process(address, MODES[mode]) as url,
         aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http,
@@ -183,8 +177,6 @@ async def burst(client: Client, task_queue: str, mode: str, args: argparse.Names
                 await resp.read()
             latencies.append(time.perf_counter() - sent)
             statuses[resp.status] += 1
-            if resp.status == 200:
-                accepted[owners[node].id] += 1
 
         started = time.perf_counter()
         for at in range(0, args.notices, args.concurrency):
@@ -194,15 +186,9 @@ async def burst(client: Client, task_queue: str, mode: str, args: argparse.Names
         seconds = time.perf_counter() - started
         calls = await metric(http, url, "spotrain_webhook_visibility_calls_total")
         retries = await metric(http, url, "spotrain_webhook_temporal_retries_total")
-    delivered = 0
-    for handle in {h.id: h for h in owners.values()}.values():
-        for _ in range(100):  # signals accepted are in the history; the query may lag a moment
-            got = await handle.query("received")
-            if got >= accepted[handle.id]:
-                break
-            await asyncio.sleep(0.1)
-        delivered += got
-        await handle.terminate()
+    jobs = list({h.id: h for h in owners.values()}.values())
+    delivered = set().union(*await asyncio.gather(*(signalled(h) for h in jobs)))
+    await asyncio.gather(*(h.terminate() for h in jobs))
     stats = summary(latencies)
     return {
         "mode": mode,
@@ -211,7 +197,7 @@ async def burst(client: Client, task_queue: str, mode: str, args: argparse.Names
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "non_2xx": sum(v for k, v in statuses.items() if not 200 <= k < 300),
         "http_503": statuses[503],
-        "lost": args.notices - delivered,
+        "lost": len({f"{mode}-{i}" for i in range(args.notices)} - delivered),
         "p50_ms": stats["median"] * 1000,
         "p99_ms": stats["p99"] * 1000,
         "max_ms": stats["max"] * 1000,
@@ -226,16 +212,16 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         [f"frontend.namespaceRPS.visibility={args.visibility_rps}"] if args.visibility_rps else []
     )
     rows = []
+    runtime, cloud = NotifiedRuntime(), SimulatedCloud()
     async with dev_server(*limits) as env:
         task_queue = f"burst-{uuid.uuid4()}"
-        async with Worker(
-            env.client,
-            task_queue=task_queue,
-            workflows=[BurstJob],
-            workflow_runner=UnsandboxedWorkflowRunner(),  # a stand-in, no sandbox needed
-        ):
-            for mode in args.modes:
-                rows.append(await burst(env.client, task_queue, mode, args))
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            async with workflow_worker(
+                env.client, task_queue, cloud.activities() + runtime.activities(),
+                activity_executor=pool,
+            ):  # fmt: skip
+                for mode in args.modes:
+                    rows.append(await burst(env.client, task_queue, runtime, mode, args))
     return rows
 
 
@@ -244,7 +230,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--notices", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=50, help="notices in flight at once")
     p.add_argument("--jobs", type=int, default=20)
-    p.add_argument("--nodes", type=int, default=4, help="per job")
     p.add_argument(
         "--visibility-rps",
         type=int,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import checkpoint, goodput, karpenter, live_resize, reaction, scale
+from bench import checkpoint, goodput, karpenter, live_resize, reaction, scale, webhook_burst
 from bench.common import SHARED_TRACES, Trace, summary
 from tests.kube.k8s_cluster import control_plane_or_skip
 
@@ -140,6 +140,16 @@ def test_scale_benchmark_measures_every_reclaim(tmp_path: Path) -> None:
     assert 0 < row["reaction_p50_ms"] <= row["reaction_p99_ms"] < 10_000
     assert row["continued_as_new"] >= 1 and row["under_limits"]  # the server's hint was 100
     assert row["events_per_cycle"] > 10 and row["peak_rss_mb"] > 0
+
+
+def test_webhook_burst_reaches_real_training_jobs(tmp_path: Path) -> None:
+    """Every notice the webhook answered 200 is a `reclaim` signal in a real TrainingJob's
+    history (the count of lost notices reads the histories)."""
+    argv = ["--notices", "60", "--concurrency", "10", "--jobs", "3", "--modes", "after"]
+    report = webhook_burst.main([*argv, "--out", str(tmp_path)])
+    (row,) = report["rows"]
+    assert row["statuses"] == {"200": 60} and row["lost"] == 0, row
+    assert row["visibility_calls"] <= 3  # the owner index: not a query per notice
 
 
 def test_reaction_benchmark_with_real_processes(tmp_path: Path) -> None:
