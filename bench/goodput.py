@@ -55,6 +55,7 @@ from .goodput_model import (
     Row,
     Setup,
     all_on_demand,
+    fixed_at_available,
     fixed_restart,
     one_zone_baselines,
     oracle,
@@ -467,6 +468,7 @@ async def benchmark(
         all_on_demand(setup),
         fixed_restart(setup),
         fixed_restart(setup, on_notice=True),
+        fixed_at_available(setup),
         *one_zone_baselines(setup),
     ]
     log = log or RowLog(None)

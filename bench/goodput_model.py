@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -326,48 +326,85 @@ def fixed_restart(setup: Setup, on_notice: bool = False, hop: bool = False) -> R
     start), or with `hop` it runs in one zone and, when that zone cannot hold all N,
     restarts in the first zone that can (its own first), as SkyPilot's managed spot fails
     over between zones."""
-    n, every = setup.max_nodes, setup.checkpoint_every
+    n = setup.max_nodes
+
+    def place(start: float, avail: int, last: list[str], running: bool) -> Placed:
+        if hop and running:  # it runs in its zone
+            avail = setup.capacity(last[0], start)
+        if running and avail >= n:
+            return last, avail
+        if not hop:
+            return (spread(setup, start, n) if avail >= n else []), avail
+        room = [trace.zone for trace in setup.traces if trace.at(start) >= n]
+        home = last[0] if last and last[0] in room else (room or [""])[0]
+        return ([home] * n if room else []), avail
+
+    policy = "fixed +notice ckpt" if on_notice else "fixed-restart"
+    return restarting(setup, policy + (" (hops zones)" if hop else ""), place, on_notice, hop)
+
+
+def fixed_at_available(setup: Setup, on_notice: bool = True) -> Row:
+    """A non-elastic job run at the size the market gives, as its user would resubmit it:
+    all the nodes on offer (at most max_nodes, at least min_nodes, spanning the traces'
+    zones), and every change of that size stops it and restarts it from a checkpoint at the
+    new size (boot, then start-up). A drop loses the work since the last periodic checkpoint
+    (unless `on_notice` saves it, by fixed-restart's rule); a rise checkpoints first, so it
+    loses nothing but still pays the restart."""
+
+    def place(start: float, avail: int, last: list[str], running: bool) -> Placed:
+        size = avail if avail >= setup.min_nodes else 0
+        if running and size == len(last):
+            return last, avail
+        return spread(setup, start, size), avail
+
+    policy = "fixed at available" + (" +notice ckpt" if on_notice else "")
+    return restarting(setup, policy, place, on_notice)
+
+
+# (zones of the nodes to run on now, one per node: [] to stop; nodes still there of those
+# the model runs on), given when, the spot nodes on offer, the zones of its last run, and
+# whether that run still goes
+Placed = tuple[list[str], int]
+Place = Callable[[float, int, list[str], bool], Placed]
+
+
+def restarting(setup: Setup, policy: str, place: Place, on_notice: bool, hop: bool = False) -> Row:
+    """A job that restarts from a checkpoint whenever `place` moves it: a drop goes back to
+    the last periodic checkpoint (or, `on_notice`, to the step a checkpoint on the notice
+    saved, when it fits), a rise checkpoints first; each start pays a boot and a start-up.
+    `hop`: a start in another zone than the last run's counts as a hop."""
+    every = setup.checkpoint_every
     saves = on_notice and setup.notice_s > 0 and setup.notice_checkpoint_fits()
     started: float | None = None
     start_step, checkpoint, lost, restarts, reclaimed, hops, paid = 0, 0, 0, 0, 0, 0, 0.0
     zones: list[str] = []
     rate, moved, series = 0.0, Transfer(), []
     for start, end, avail in setup.segments():
-        if hop and started is not None:  # it runs in its zone
-            avail = setup.capacity(zones[0], start)
-        if started is not None and avail < n:  # a loss: back to the last checkpoint
+        want, still_there = place(start, avail, zones, started is not None)
+        if started is not None and want != zones:  # stop, back to a checkpoint
             step = start_step + math.floor(max(0.0, start - started - setup.start_s) * rate)
-            checkpoint = step if saves else max(start_step, step - step % every)
+            grows = len(want) > len(zones)
+            checkpoint = step if saves or grows else max(start_step, step - step % every)
             lost += step - checkpoint
-            reclaimed += n - avail
+            reclaimed += max(0, len(zones) - still_there)
             started = None
             series.append((start / 3600, 0))
-        if hop and started is None:  # it may start in any zone that holds all N
-            room = [trace.zone for trace in setup.traces if trace.at(start) >= n]
-            avail = n if room else 0
-        if started is None and avail >= n:
-            if hop:
-                home = zones[0] if zones and zones[0] in room else room[0]
-                if zones and home != zones[0]:
-                    hops += 1
-                zones = [home] * n
-            else:
-                zones = spread(setup, start, n)
-            started, start_step = start, checkpoint
-            rate = setup.steps_per_hour(n) / 3600 / slowdown(setup, zones)
+        if started is None and want:
+            hops += hop and bool(zones) and want[0] != zones[0]
+            zones, started, start_step = want, start, checkpoint
+            rate = setup.steps_per_hour(len(zones)) / 3600 / slowdown(setup, zones)
             restarts += 1
-            series.append((start / 3600, n))
+            series.append((start / 3600, len(zones)))
         if started is None:
             continue
         finish = started + setup.start_s + (setup.total_steps - start_step) / rate
         training_from = max(start, started + setup.start_s)
         moved += sent(setup, zones, max(0.0, min(end, finish) - training_from))
         if finish <= end:
-            paid += n * (finish - start) / 3600
+            paid += len(zones) * (finish - start) / 3600
             series.append((finish / 3600, 0))
-            policy = "fixed +notice ckpt" if on_notice else "fixed-restart"
             return Row(
-                policy + (" (hops zones)" if hop else ""),
+                policy,
                 "model",
                 finish / 3600,
                 paid,
@@ -380,7 +417,7 @@ def fixed_restart(setup: Setup, on_notice: bool = False, hop: bool = False) -> R
                 series=series,
                 startup_s=(restarts - 1) * setup.start_s,
             )
-        paid += n * (end - start) / 3600
+        paid += len(zones) * (end - start) / 3600
 
 
 def all_on_demand(setup: Setup) -> Row:

@@ -76,6 +76,31 @@ def test_baseline_models_match_hand_computation(tmp_path: Path) -> None:
     assert rebooted.startup_s == 360  # the restart's boot (the first start is not a pause)
 
 
+def test_fixed_at_available_restarts_at_each_size_the_market_gives(tmp_path: Path) -> None:
+    """2 nodes, then 1, then 2 again: each change is a restart at the new size; the drop goes
+    back to the last periodic checkpoint (no notice to save it), the rise loses nothing."""
+    trace = Trace.load(write_trace(tmp_path / "t.json", [2, 1, 2, 2, 2, 2], gap=3600))
+    setup = goodput.Setup(
+        traces=[trace],
+        max_nodes=2,
+        min_nodes=1,
+        work_node_hours=4,  # 400 steps
+        steps_per_node_hour=100,
+        checkpoint_minutes=45,  # every 150 steps
+        restart_cost_s=0,
+        boot_median_s=0,
+        notice_s=0,
+    )
+    row = goodput.fixed_at_available(setup)
+    # 200 steps at 2 nodes by 1 h (checkpoint at 150: 50 lost), 150 -> 250 at 1 node by
+    # 2 h, then the rise checkpoints at 250 and 150 steps at 2 nodes take 0.75 h.
+    assert (row.wall_h, row.steps_lost, row.resizes, row.reclaims) == (2.75, 50, 2, 1)
+    assert row.spot_node_h == pytest.approx(2 + 1 + 2 * 0.75)
+    assert [w for _, w in row.series] == [2, 0, 1, 0, 2, 0]
+    saved = goodput.fixed_at_available(goodput.replace(setup, notice_s=120, checkpoint_s=1))
+    assert (saved.steps_lost, saved.wall_h) == (0, 2.5)  # the notice saved step 200
+
+
 def test_goodput_benchmark_runs_the_real_workflow(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -104,6 +129,7 @@ def test_goodput_benchmark_runs_the_real_workflow(
         "spotrain deadline",
         "greedy controller",
         "fixed +notice ckpt",
+        "fixed at available +notice ckpt",
     }
     assert rows["on-demand"]["cost_vs_on_demand"] == pytest.approx(1.0)
     assert rows["fixed-restart"]["steps_lost"] > 0  # the drop at 1 h 20 min hits it
