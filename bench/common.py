@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -25,6 +26,12 @@ from spotrain.workflows.job import attributes
 REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"
 DEFAULT_TRACE = "availability_16-node_aws-08-27-2023_us-east-2b_v100_1.json"
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def load_traces(args: Sequence[str]) -> list[Trace]:

@@ -1,25 +1,32 @@
-"""Scale: N concurrent TrainingJobs in one worker process, each reclaimed at a steady rate.
+"""Scale: N concurrent TrainingJobs on W workflow worker processes, each job reclaimed at a
+steady rate.
 
-    .venv/bin/python -m bench.scale --jobs 100 --jobs 1000 [--duration-s 120] ...
+    .venv/bin/python -m bench.scale --jobs 100 --jobs 1000 [--workers 1 --workers 2] ...
 
-Real Temporal dev server and the real workflow; the simulated cloud and runtime (no
-processes), so what is measured is orchestration: reaction from the `reclaim` signal being
-sent to the worker-notify activity (`stop_generation`, which raises the elastic event)
-starting, the worker process's CPU and peak RSS, history events per reclaim cycle (shrink,
-replacement, grow back, and the progress watches in between), and whether continue-as-new
-keeps every run under Temporal's history limits.
+Real Temporal dev server and the real workflow; the simulated cloud and runtime (no rank
+processes), so what is measured is orchestration. The workflows run in `--workers` worker
+processes of their own (`bench/scale_worker.py`, no activities); this process, the driver,
+sends the reclaims and runs the activities on the simulated cloud and runtime. Reported per
+(jobs, workers): reaction from the `reclaim` signal being sent to the worker-notify activity
+(`stop_generation`, which raises the elastic event) starting, each worker process's CPU (per
+reclaim cycle, and its share of a core) and peak RSS, the driver's CPU apart, history events
+per reclaim cycle (shrink, replacement, grow back, and the progress watches in between), and
+whether continue-as-new keeps every run under Temporal's history limits.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import random
-import resource
+import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -27,24 +34,26 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
+from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
-from spotrain.workers.worker import workflow_worker
 from spotrain.workflows import contract
 from spotrain.workflows.contract import StopRequest, StopResult
 from spotrain.workflows.history import HISTORY_EVENTS_BEFORE_CONTINUE
 
-from .common import REPO, dev_server, publish, summary, table
+from .common import REPO, cpu_s, dev_server, publish, summary, table
 
 HISTORY_LIMIT = 51_200  # Temporal's hard limit on events per run
 NODES = 4
 COLUMNS = [
     "jobs",
+    "workers",
     "reclaims",
     "reaction_p50_ms",
     "reaction_p99_ms",
     "cpu_s_per_reclaim",
-    "cpu_share",
+    "worker_cpu_share_max",
+    "driver_cpu_s_per_reclaim",
     "peak_rss_mb",
     "events_per_cycle",
     "max_run_events",
@@ -135,8 +144,48 @@ async def post_mortem(client: Client, runtime: NotifiedRuntime) -> str:
     return "\n".join(lines)
 
 
+@contextlib.asynccontextmanager
+async def workflow_workers(
+    address: str, queue: str, n: int, cached: int
+) -> AsyncIterator[list[int]]:
+    """`n` workflow worker processes on `queue`, once each polls; their pids. Stopped (and
+    waited for) on the way out, however it is left."""
+    command = [sys.executable, "-m", "bench.scale_worker", address, queue, str(cached)]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True))
+        for proc in procs:
+            line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
+            if line.strip() != "ready":
+                raise RuntimeError(f"a workflow worker did not start (exit {proc.poll()})")
+        yield [p.pid for p in procs]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident set (VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 async def one_size(
-    jobs: int, duration_s: float, reclaim_every_s: float, suggest_can: int, progress_s: float
+    jobs: int,
+    workers: int,
+    duration_s: float,
+    reclaim_every_s: float,
+    suggest_can: int,
+    progress_s: float,
 ) -> dict[str, Any]:
     async with dev_server(f"limit.historyCount.suggestContinueAsNew={suggest_can}") as env:
         client = env.client
@@ -144,13 +193,16 @@ async def one_size(
         cloud = SimulatedCloud()
         queue = uuid.uuid4().hex
         names = [f"scale-{queue[:6]}-{i}" for i in range(jobs)]
+        address = client.service_client.config.target_host
         with ThreadPoolExecutor(max_workers=32) as pool:
-            async with workflow_worker(
-                client,
-                queue,
-                cloud.activities() + runtime.activities(),
-                activity_executor=pool,
-                max_cached_workflows=jobs + 100,
+            async with (
+                workflow_workers(address, queue, workers, jobs + 100) as pids,
+                Worker(
+                    client,
+                    task_queue=queue,
+                    activities=cloud.activities() + runtime.activities(),
+                    activity_executor=pool,
+                ),
             ):
                 for start in range(0, jobs, 50):
                     await asyncio.gather(
@@ -167,7 +219,8 @@ async def one_size(
                     "every job running at full size",
                 )
                 events_before = sum(await history_events(client, names))
-                cpu_before, began = time.process_time(), time.monotonic()
+                worker_before = [cpu_s(pid) for pid in pids]
+                driver_before, began = time.process_time(), time.monotonic()
                 reclaims = await reclaim_steadily(
                     client, runtime, names, duration_s, reclaim_every_s
                 )
@@ -177,22 +230,28 @@ async def one_size(
                     )
                 except TimeoutError as e:
                     raise TimeoutError(f"{e}: {await post_mortem(client, runtime)}") from None
-                cpu = time.process_time() - cpu_before
+                worker_cpu = [cpu_s(pid) - b for pid, b in zip(pids, worker_before, strict=True)]
+                driver_cpu = time.process_time() - driver_before
                 elapsed = time.monotonic() - began
+                rss = max(peak_rss_mb(pid) for pid in pids)
                 runs = await history_events(client, names)
                 await asyncio.gather(*(client.get_workflow_handle(n).terminate() for n in names))
     reactions_ms = [1000 * r for r in runtime.reactions]
     stats = summary(reactions_ms)
     return {
         "jobs": jobs,
+        "workers": workers,
         "reclaims": reclaims,
+        "reclaims_per_s": reclaims / elapsed,
         "reaction_ms": stats,
         "reaction_p50_ms": stats.get("median"),
         "reaction_p99_ms": stats.get("p99"),
-        "cpu_s": cpu,
-        "cpu_s_per_reclaim": cpu / max(1, reclaims),
-        "cpu_share": cpu / elapsed,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "worker_cpu_s": worker_cpu,
+        "cpu_s_per_reclaim": sum(worker_cpu) / max(1, reclaims),  # the workflows' CPU
+        "worker_cpu_share": [c / elapsed for c in worker_cpu],
+        "worker_cpu_share_max": max(worker_cpu) / elapsed,
+        "driver_cpu_s_per_reclaim": driver_cpu / max(1, reclaims),  # activities, signals
+        "peak_rss_mb": rss,
         "events_per_cycle": (sum(runs) - events_before) / max(1, reclaims),
         "max_run_events": max(runs),
         "continued_as_new": len(runs) - jobs,
@@ -234,6 +293,12 @@ async def reclaim_steadily(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="bench.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, action="append", help="repeat: 100 and 1000 by default")
+    p.add_argument(
+        "--workers",
+        type=int,
+        action="append",
+        help="workflow worker processes; repeat (1 by default)",
+    )
     p.add_argument("--duration-s", type=float, default=120.0, help="reclaiming this long")
     p.add_argument("--reclaim-every-s", type=float, default=30.0, help="per job")
     p.add_argument("--suggest-can", type=int, default=500, help="server's continue-as-new hint")
@@ -245,15 +310,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("temporalio").setLevel(logging.ERROR)
     rows = []
     for jobs in args.jobs or [100, 1000]:
-        rows.append(
-            asyncio.run(
-                one_size(
-                    jobs, args.duration_s, args.reclaim_every_s, args.suggest_can, args.progress_s
-                )
-            )
-        )
-        print(table(rows[-1:], COLUMNS), file=sys.stderr, flush=True)  # progress
-    report = {"setup": vars(args) | {"out": str(args.out)}, "rows": rows}
+        for workers in args.workers or [1]:
+            size = (jobs, workers, args.duration_s, args.reclaim_every_s)
+            rows.append(asyncio.run(one_size(*size, args.suggest_can, args.progress_s)))
+            print(table(rows[-1:], COLUMNS), file=sys.stderr, flush=True)  # progress
+    report = {
+        "setup": vars(args) | {"out": str(args.out)},
+        "load_average": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "rows": rows,
+    }
     publish(report, rows, COLUMNS, args.out / "scale.json")
     return report
 

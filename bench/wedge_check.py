@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, SHARED_TRACES
+from .common import REPO, SHARED_TRACES, cpu_s
 
 RUN_LIMIT_S = 1800  # a run still going after this is a wedge the harness missed
 ZONES = ("us-east-2b", "us-west-2a", "us-west-2c")
@@ -50,12 +50,6 @@ def _die_with_parent() -> None:
     """In a busy loop's child before exec: the kernel kills it when this process ends, however
     it ends (PR_SET_PDEATHSIG)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def cpu_s(pid: int) -> float:
-    """A process's CPU seconds so far (user + system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_run(n: int, nice: int, extra: list[str]) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def test_goodput_benchmark_runs_the_real_workflow(
 def test_scale_benchmark_measures_every_reclaim(tmp_path: Path) -> None:
     report = scale.main(
         [
-            *("--jobs", "3", "--duration-s", "6", "--reclaim-every-s", "2"),
+            *("--jobs", "3", "--workers", "2", "--duration-s", "6", "--reclaim-every-s", "2"),
             *("--suggest-can", "100", "--out", str(tmp_path)),
         ]
     )
@@ -166,6 +166,8 @@ def test_scale_benchmark_measures_every_reclaim(tmp_path: Path) -> None:
     assert 0 < row["reaction_p50_ms"] <= row["reaction_p99_ms"] < 10_000
     assert row["continued_as_new"] >= 1 and row["under_limits"]  # the server's hint was 100
     assert row["events_per_cycle"] > 10 and row["peak_rss_mb"] > 0
+    assert row["workers"] == 2 and len(row["worker_cpu_s"]) == 2  # two worker processes
+    assert sum(row["worker_cpu_s"]) > 0 and row["driver_cpu_s_per_reclaim"] > 0
 
 
 def test_webhook_burst_reaches_real_training_jobs(tmp_path: Path) -> None:
