@@ -150,11 +150,14 @@ async def workflow_workers(
 ) -> AsyncIterator[list[int]]:
     """`n` workflow worker processes on `queue`, once each polls; their pids. Stopped (and
     waited for) on the way out, however it is left."""
-    command = [sys.executable, "-m", "bench.scale_worker", address, queue, str(cached)]
+    command = [sys.executable, "-m", "bench.scale_worker", queue, str(cached)]
+    env = os.environ | {"TEMPORAL_ADDRESS": address}
     procs: list[subprocess.Popen[str]] = []
     try:
         for _ in range(n):
-            procs.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+            )
         for proc in procs:
             line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
             if line.strip() != "ready":

@@ -2,9 +2,10 @@
 queue and no activities (the driver runs those, on the simulated cloud and runtime), so that
 its CPU is the workflows' alone and N of them show the controller scaling out.
 
-    python -m bench.scale_worker ADDRESS TASK_QUEUE MAX_CACHED_WORKFLOWS
+    TEMPORAL_ADDRESS=host:port python -m bench.scale_worker TASK_QUEUE MAX_CACHED_WORKFLOWS
 
-Prints `ready` once it polls; runs until it is signalled.
+It connects as the spotrain worker does (`workers.connect`: the pydantic converter the
+workflows need). Prints `ready` once it polls; runs until it is signalled.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import warnings
 
-from temporalio.client import Client
 from temporalio.worker import Worker
 
+from spotrain.workers.connect import connect
 from spotrain.workers.worker import WORKFLOW_RUNNER, WORKFLOWS
 
 
-async def serve(address: str, task_queue: str, max_cached: int) -> None:
-    client = await Client.connect(address)
+async def serve(task_queue: str, max_cached: int) -> None:
+    client = await connect()
     async with Worker(
         client,
         task_queue=task_queue,
@@ -33,5 +35,6 @@ async def serve(address: str, task_queue: str, max_cached: int) -> None:
 
 
 if __name__ == "__main__":
+    warnings.simplefilter("error", UserWarning)  # e.g. the wrong converter: figures not valid
     logging.getLogger("temporalio").setLevel(logging.ERROR)
-    asyncio.run(serve(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    asyncio.run(serve(sys.argv[1], int(sys.argv[2])))
