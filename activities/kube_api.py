@@ -23,6 +23,9 @@ from spotrain.workflows import contract
 
 GANG_ERROR = "GangStartError"  # retryable: the workflow's retry policy re-runs the gang start
 ENDED = ("Succeeded", "Failed")
+# Connections kept to the API server: one per activity a worker may run at once (each
+# running job's watch holds one), so that none is opened and thrown away per call.
+CONNECTIONS = 512
 
 T = TypeVar("T")
 Pods = dict[str, client.V1Pod]
@@ -63,7 +66,9 @@ def default_api_client() -> client.ApiClient:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    settings = client.Configuration.get_default_copy()
+    settings.connection_pool_maxsize = CONNECTIONS
+    return client.ApiClient(settings)
 
 
 def instance_id(node: client.V1Node) -> str | None:

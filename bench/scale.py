@@ -6,7 +6,8 @@ steady rate.
 Real Temporal dev server and the real workflow; the simulated cloud and runtime (no rank
 processes), so what is measured is orchestration. The workflows run in `--workers` worker
 processes of their own (`bench/scale_worker.py`, no activities); this process, the driver,
-sends the reclaims and runs the activities on the simulated cloud and runtime. Reported per
+sends the reclaims and runs the activities on the simulated cloud and runtime, whose watch
+long-polls as the real runtimes' does (a watch a report interval, no timer). Reported per
 (jobs, workers): reaction from the `reclaim` signal being sent to the worker-notify activity
 (`stop_generation`, which raises the elastic event) starting, each worker process's CPU (per
 reclaim cycle, and its share of a core) and peak RSS, the driver's CPU apart, history events
@@ -37,17 +38,20 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
+from spotrain.workers.worker import ACTIVITY_SLOTS
 from spotrain.workflows import contract
-from spotrain.workflows.contract import StopRequest, StopResult
+from spotrain.workflows.contract import StopRequest, StopResult, WatchRequest, WatchResult
 from spotrain.workflows.history import HISTORY_EVENTS_BEFORE_CONTINUE
 
 from .common import REPO, cpu_s, dev_server, publish, summary, table
 
 HISTORY_LIMIT = 51_200  # Temporal's hard limit on events per run
 NODES = 4
+WATCH_POLL_S = 0.25  # as activities/local.py polls its ranks
 COLUMNS = [
     "jobs",
     "workers",
+    "activity_slots",
     "reclaims",
     "reaction_p50_ms",
     "reaction_p99_ms",
@@ -71,6 +75,7 @@ class NotifiedRuntime(SimulatedRuntime):
         )
         self.signalled: dict[str, float] = {}  # job -> time.time() the reclaim was sent
         self.reactions: list[float] = []
+        self.closing = False  # watches answer at once: none is left polling a closed run
 
     @activity.defn(name=contract.STOP_GENERATION)
     def stop_generation(self, req: StopRequest) -> StopResult:
@@ -78,6 +83,21 @@ class NotifiedRuntime(SimulatedRuntime):
         if sent is not None:
             self.reactions.append(time.time() - sent)
         return super().stop_generation(req)
+
+    @activity.defn(name=contract.WATCH_GENERATION)
+    async def watch_generation(self, req: WatchRequest) -> WatchResult:
+        """Answers as the real runtimes do (activities/local.py, kube.py): at once on a
+        failure, a completion or a stopped generation, else with progress after
+        `report_after_s`. (The simulated runtime answers at once, for the time-skipping
+        tests, and the workflow paces it with a timer: five events a watch more than a
+        user's job pays.)"""
+        deadline = time.monotonic() + req.report_after_s
+        while True:
+            result = SimulatedRuntime.watch_generation(self, req)
+            if result.outcome != "progress" or self.closing or time.monotonic() >= deadline:
+                return result
+            activity.heartbeat()
+            await asyncio.sleep(WATCH_POLL_S)
 
     def full_generation(self, job: str) -> list[str] | None:
         """The running generation's node ids if it holds every node (nothing in flight)."""
@@ -185,6 +205,7 @@ def peak_rss_mb(pid: int) -> float:
 async def one_size(
     jobs: int,
     workers: int,
+    slots: int,
     duration_s: float,
     reclaim_every_s: float,
     suggest_can: int,
@@ -197,7 +218,7 @@ async def one_size(
         queue = uuid.uuid4().hex
         names = [f"scale-{queue[:6]}-{i}" for i in range(jobs)]
         address = client.service_client.config.target_host
-        with ThreadPoolExecutor(max_workers=32) as pool:
+        with ThreadPoolExecutor(max_workers=slots) as pool:
             async with (
                 workflow_workers(address, queue, workers, jobs + 100) as pids,
                 Worker(
@@ -205,6 +226,7 @@ async def one_size(
                     task_queue=queue,
                     activities=cloud.activities() + runtime.activities(),
                     activity_executor=pool,
+                    max_concurrent_activities=slots,
                 ),
             ):
                 for start in range(0, jobs, 50):
@@ -238,12 +260,15 @@ async def one_size(
                 elapsed = time.monotonic() - began
                 rss = max(peak_rss_mb(pid) for pid in pids)
                 runs = await history_events(client, names)
+                runtime.closing = True
+                await asyncio.sleep(1)
                 await asyncio.gather(*(client.get_workflow_handle(n).terminate() for n in names))
     reactions_ms = [1000 * r for r in runtime.reactions]
     stats = summary(reactions_ms)
     return {
         "jobs": jobs,
         "workers": workers,
+        "activity_slots": slots,
         "reclaims": reclaims,
         "reclaims_per_s": reclaims / elapsed,
         "reaction_ms": stats,
@@ -302,6 +327,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="append",
         help="workflow worker processes; repeat (1 by default)",
     )
+    p.add_argument(
+        "--activity-slots",
+        type=int,
+        action="append",
+        help=f"activities the driver runs at once; repeat ({ACTIVITY_SLOTS}, as spotrain worker)",
+    )
     p.add_argument("--duration-s", type=float, default=120.0, help="reclaiming this long")
     p.add_argument("--reclaim-every-s", type=float, default=30.0, help="per job")
     p.add_argument("--suggest-can", type=int, default=500, help="server's continue-as-new hint")
@@ -311,12 +342,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     logging.getLogger("temporalio").setLevel(logging.ERROR)
-    rows = []
-    for jobs in args.jobs or [100, 1000]:
-        for workers in args.workers or [1]:
-            size = (jobs, workers, args.duration_s, args.reclaim_every_s)
-            rows.append(asyncio.run(one_size(*size, args.suggest_can, args.progress_s)))
-            print(table(rows[-1:], COLUMNS), file=sys.stderr, flush=True)  # progress
+    rows: list[dict[str, Any]] = []
+    for slots in args.activity_slots or [ACTIVITY_SLOTS]:
+        for jobs in args.jobs or [100, 1000]:
+            for workers in args.workers or [1]:
+                size = (jobs, workers, slots, args.duration_s, args.reclaim_every_s)
+                try:
+                    rows.append(asyncio.run(one_size(*size, args.suggest_can, args.progress_s)))
+                except TimeoutError as err:  # the row says so; the others still run
+                    rows.append({"jobs": jobs, "workers": workers, "activity_slots": slots})
+                    rows[-1]["failed"] = str(err)
+                    print(f"jobs {jobs}, workers {workers}: {err}", file=sys.stderr)
+                print(table(rows[-1:], COLUMNS), file=sys.stderr, flush=True)  # progress
     report = {
         "setup": vars(args) | {"out": str(args.out)},
         "load_average": os.getloadavg(),

@@ -58,6 +58,11 @@ def workflow_worker(
 
 
 PROVIDERS = ("ec2", "karpenter", "simulated")
+# Activities one worker runs at once, each on a thread of its own (started as needed). A
+# running job's watch holds one for its progress report interval, so past about this many
+# running jobs a worker's other activities, a reclaim's stop among them, wait for a watch
+# to end: at 64, 100 jobs waited seconds (bench.scale). More jobs: more workers.
+ACTIVITY_SLOTS = 512
 RUNTIMES = ("local", "kubernetes", "simulated")
 DEFAULT_STATE_DIR = Path(os.environ.get("SPOTRAIN_STATE_DIR", Path.home() / ".spotrain"))
 
@@ -104,13 +109,13 @@ async def run_worker(
 ) -> None:
     """Serve until `stop` is set (or forever); in-flight activity attempts are abandoned to
     Temporal's retries, which every activity is written to survive."""
-    with ThreadPoolExecutor(max_workers=64, thread_name_prefix="activity") as pool:
+    with ThreadPoolExecutor(max_workers=ACTIVITY_SLOTS, thread_name_prefix="activity") as pool:
         worker = workflow_worker(
             client,
             task_queue,
             activities,
             activity_executor=pool,
-            max_concurrent_activities=64,
+            max_concurrent_activities=ACTIVITY_SLOTS,
             graceful_shutdown_timeout=timedelta(seconds=5),
         )
         async with worker:
