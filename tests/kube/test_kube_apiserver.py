@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,52 @@ def test_no_control_plane_process_outlives_its_owner(end: str) -> None:
         for pid in _children(owner.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pod_deleted_at_once_is_not_deleted_again(cluster: ControlPlane) -> None:
+    """kwok ends pods deleted with a grace period, by name; one deleted with none (as the
+    runtime replaces a pod made differently) the apiserver removes at once, and kwok must
+    leave its name alone: its late delete removed the pod made anew under that name (the
+    flake of test_a_pod_found_made_differently_is_replaced, under load)."""
+    cluster.add_node("ip-10-0-1-6.ec2.internal", "i-0123456789abcdef1", fake=True)
+    cluster.ensure_namespace(NAMESPACE)
+    core = client.CoreV1Api(cluster.admin)
+
+    def pod(name: str) -> dict:
+        return {
+            "metadata": {"name": name, "labels": {"spotrain.io/managed": "true"}},
+            "spec": {
+                "nodeName": "ip-10-0-1-6.ec2.internal",
+                "tolerations": [{"operator": "Exists"}],
+                "containers": [{"name": "c", "image": "ghcr.io/example/train:1"}],
+            },
+        }
+
+    def running(name: str) -> bool:
+        return core.read_namespaced_pod(name, NAMESPACE).status.phase == "Running"
+
+    core.create_namespaced_pod(NAMESPACE, pod("at-once"))
+    core.create_namespaced_pod(NAMESPACE, pod("graceful"))
+    wait_for(lambda: running("at-once") and running("graceful"))
+    core.delete_namespaced_pod("at-once", NAMESPACE, grace_period_seconds=0)
+    with pytest.raises(ApiException) as gone:
+        core.read_namespaced_pod("at-once", NAMESPACE)
+    assert gone.value.status == 404
+    core.delete_namespaced_pod("graceful", NAMESPACE, grace_period_seconds=1)
+    wait_for(lambda: not pods_named(core, "graceful"))  # kwok ends it, as a kubelet would
+    kwok_deletes = [
+        line for line in cluster.log_tail("kwok", 10_000).splitlines() if "at-once" in line
+    ]
+    assert [line for line in kwok_deletes if "elete" in line] == []
+
+
+def pods_named(core: client.CoreV1Api, name: str) -> list[str]:
+    found = core.list_namespaced_pod(NAMESPACE, field_selector=f"metadata.name={name}").items
+    return [p.metadata.name for p in found]
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
