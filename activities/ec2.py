@@ -8,6 +8,9 @@ Idempotency: (job, slot, attempt) names one node. A launch first looks the slot 
 (moto ignores ClientToken), then launches with a ClientToken derived from the same triple
 (AWS honours it), so a launch retried after a crash at any line never buys a second node.
 
+With `placement_group` asked, nodes launch into the job's cluster placement group in their zone,
+created on first use and deleted by the release that empties it (activities/ec2_placement.py).
+
 Errors: capacity and quota codes become non-retryable `CAPACITY_ERROR` (the workflow tries the
 next pool, then on-demand), credential and parameter codes `CONFIG_ERROR`; throttling and 5xx
 are retried by botocore ("standard" mode) and then by Temporal. A failed call never turns
@@ -44,6 +47,7 @@ from spotrain.activities.ec2_ownership import (
     ownership_tags,
     tags_of,
 )
+from spotrain.activities.ec2_placement import PlacementGroups, group_of
 from spotrain.activities.spot_scores import PlacementScores
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -208,6 +212,7 @@ class EC2Provider:
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._scores = PlacementScores()
+        self._groups = PlacementGroups()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> EC2Provider:
@@ -338,7 +343,7 @@ class EC2Provider:
             ],
         }
         zone = req.zone or min(_zones(ec2))  # on-demand may leave the zone open
-        params["Placement"] = {"AvailabilityZone": zone}
+        params["Placement"] = {"AvailabilityZone": zone} | self._group(ec2, req, zone, None)
         if zone in self.subnets:
             params["SubnetId"] = self.subnets[zone]
         if self.launch_template:
@@ -373,6 +378,8 @@ class EC2Provider:
         overrides = []
         for itype, zone in pools:
             override: dict[str, Any] = {"InstanceType": itype, "AvailabilityZone": zone}
+            if group := self._group(ec2, req, zone, itype):
+                override["Placement"] = group
             if zone in self.subnets:
                 override["SubnetId"] = self.subnets[zone]
             if image := self._image(ec2):
@@ -409,6 +416,15 @@ class EC2Provider:
             ec2.create_tags(Resources=volumes, Tags=ownership_tags(req))
         _log_launch(instance, req)
         return instance
+
+    def _group(self, ec2: Any, req: LaunchRequest, zone: str, itype: str | None) -> dict[str, str]:
+        """{"GroupName": the job's cluster placement group in `zone`} when the request asks for
+        one and the type (`itype`, else the request's) can go in it; else {}."""
+        if not req.placement_group:
+            return {}
+        itype = itype or req.instance_type
+        group = self._groups.ensure(ec2, req.job, zone, itype, activity.heartbeat)
+        return {"GroupName": group} if group else {}
 
     def _image(self, ec2: Any) -> str | None:
         """The region's AMI: the configured one, else the launch template's (None), else
@@ -476,22 +492,31 @@ class EC2Provider:
     def release_nodes(self, req: ReleaseRequest) -> list[str]:
         """Terminate the job's nodes among `node_ids` and wait until EC2 confirms they are
         shutting down. Only instances tagged with this job are touched; unknown ids are fine.
-        Returns the asked ids that belong to the job (all confirmed gone), idempotently."""
+        Returns the asked ids that belong to the job (all confirmed gone), idempotently.
+
+        Then, when one of the job's instances is in a placement group, the job's groups that
+        none of its live nodes is in are deleted; one EC2 still finds in use stays for a later
+        release or `spotrain gc`, without failing this one. A job without groups makes no
+        placement-group call."""
         while True:
             activity.heartbeat()
             with _typed_errors():
-                owned = [
-                    (r, i) for r, i in self._job_instances(req) if req.asks_for(i["InstanceId"])
-                ]
+                found = list(self._job_instances(req))
+                owned = [(r, i) for r, i in found if req.asks_for(i["InstanceId"])]
                 live: dict[str, list[str]] = {}
                 for region, i in owned:
                     if i["State"]["Name"] in LIVE_STATES:
                         live.setdefault(region, []).append(i["InstanceId"])
                 if not live:
-                    return [i["InstanceId"] for _, i in owned]
+                    break
                 for region, ids in live.items():
                     self.client(region).terminate_instances(InstanceIds=ids)
             time.sleep(POLL_S / 4)
+        for region in req.regions:
+            mine = [i for r, i in found if r == region]
+            if any(group_of(i) for i in mine):
+                self._groups.tidy(self.client(region), req.job, mine, activity.heartbeat)
+        return [i["InstanceId"] for _, i in owned]
 
     def _job_instances(
         self, req: DescribeRequest | ReleaseRequest

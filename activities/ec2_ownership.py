@@ -40,11 +40,16 @@ def client_token(job: str, slot: int, attempt: int) -> str:
     return f"spotrain-{digest[:48]}"
 
 
+def job_tags(job: str) -> list[dict[str, str]]:
+    """Whose it is: the tags gc and release find a job's resources by, the same on its nodes,
+    their volumes and its placement groups (activities/ec2_placement.py)."""
+    return [{"Key": MANAGED, "Value": "true"}, {"Key": TAG_JOB, "Value": job}]
+
+
 def ownership_tags(req: LaunchRequest) -> list[dict[str, str]]:
     """The tags every node and its volumes carry: whose it is, for which slot and attempt."""
     return [
-        {"Key": MANAGED, "Value": "true"},
-        {"Key": TAG_JOB, "Value": req.job},
+        *job_tags(req.job),
         {"Key": TAG_GENERATION, "Value": str(req.generation)},
         {"Key": TAG_SLOT, "Value": str(req.slot)},
         {"Key": TAG_ATTEMPT, "Value": str(req.attempt)},

@@ -160,6 +160,11 @@ class LaunchRequest(Regional):
         description="other (type, zone) spot pools that would do, best first: a provider that "
         "launches through EC2 Fleet lets EC2 choose among all of them in one call",
     )
+    placement_group: bool = Field(
+        False,
+        description="launch into the job's cluster placement group in `zone` (the spec's "
+        "placement_group; EC2 only); False in histories from before the field",
+    )
 
 
 class NodeInfo(Message):

@@ -455,6 +455,11 @@ class JobSpec(Strict):
         "spot); region: one region, any zones; any: wherever spot is best, each step's "
         "all-reduce billed where it crosses zones (docs/guides/placement.md)",
     )
+    placement_group: StrictBool = Field(
+        False,
+        description="with placement: zone, on EC2: the nodes in one cluster placement group "
+        "(lower latency, more bandwidth between them; capacity errors more often)",
+    )
     gradient_bytes: bounded(int, 1, MAX_GRADIENT_BYTES) | None = Field(
         None,
         description="bytes one step all-reduces (4 x parameters in fp32): prices the traffic "
@@ -469,6 +474,9 @@ class JobSpec(Strict):
             )
         if self.gpus_per_node is not None and self.total_gpus is not None:
             raise ValueError("set gpus_per_node or total_gpus, not both")
+        if self.placement_group and self.placement != "zone":
+            why = "a cluster placement group is one zone's"  # (and a rule in the CRD)
+            raise ValueError(f"placement_group needs placement: zone ({why}), not {self.placement}")
         shapes = [t.gpus for t in self.spot.instance_types]
         if self.gpus_per_node and max(shapes) < self.gpus_per_node:
             raise ValueError(

@@ -26,13 +26,15 @@ from rich.console import Console
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.ec2_ownership import MANAGED, TAG_JOB
+from spotrain.activities.ec2_ownership import MANAGED, TAG_JOB, job_tags
+from spotrain.activities.ec2_placement import describe, group_name
 from spotrain.activities.local import LocalRuntime
 from spotrain.elastic.job_store import JobStore, open_store
 from spotrain.workers.cli.views import status_view
 from spotrain.workers.webhook.auth import AuthConfig
 from spotrain.workers.webhook.server import WebhookConfig, WebhookService
 from spotrain.workflows.job.state import JobStatus
+from tests.aws import moto_placement
 from tests.jobs import Sim, fast_runtime, fast_spec, simulated
 from tests.workflows.test_planner_job import T0, node, running, state
 
@@ -360,6 +362,37 @@ async def test_gc_lists_then_terminates_orphans_only(
     gone = ("shutting-down", "terminated")
     assert states[orphan] in gone and states[west_orphan] in gone and states[kept] == "running"
     assert (await cli("cancel", live_job["name"])).code == 0
+
+
+async def test_gc_and_release_delete_placement_groups_by_tag(
+    cli: Cli, moto_endpoint: str, tmp_path: Path
+) -> None:
+    """Cluster placement groups of jobs that do not run (moto given the API: it has none):
+    `gc` lists them, `release` deletes its job's, `gc --apply` the rest; a running job's stay."""
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=moto_endpoint)
+    live_job = fast_spec(total_steps=100_000)
+    gone, stuck = (f"{what}-{uuid.uuid4().hex[:6]}" for what in ("gone", "stuck"))
+    names = {job: group_name(job, "us-east-1a") for job in (gone, stuck, live_job["name"])}
+    with moto_placement.installed():
+        assert (await cli("submit", str(write(tmp_path, live_job)))).code == 0
+        for job, name in names.items():
+            tags = [{"ResourceType": "placement-group", "Tags": job_tags(job)}]
+            ec2.create_placement_group(GroupName=name, Strategy="cluster", TagSpecifications=tags)
+        dry = (await cli("gc", "--json")).json()
+        listed = {g["name"]: g for g in dry["placement_groups"]}
+        assert listed[names[gone]] == {"name": names[gone], "job": gone, "state": "available"}
+        assert names[stuck] in listed and names[live_job["name"]] not in listed
+        released = (await cli("release", stuck, "--json")).json()
+        assert released["placement_groups"] == [
+            {"name": names[stuck], "job": stuck, "state": "deleted"}
+        ]
+        assert describe(ec2, names[stuck]) is None and describe(ec2, names[gone]) is not None
+        r = await cli("gc", "--apply")
+        assert r.code == 0 and f"placement group {names[gone]} of {gone}: deleted" in r.out, r
+        assert describe(ec2, names[gone]) is None
+        assert describe(ec2, names[live_job["name"]]) is not None
+        assert (await cli("cancel", live_job["name"])).code == 0
+        ec2.delete_placement_group(GroupName=names[live_job["name"]])
 
 
 async def test_logs_of_the_local_runtime(cli: Cli, tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ def test_example_and_defaults() -> None:
     assert spec.elastic.reclaim_policy == "replace" and spec.on_demand.fallback
     minimal = parse_spec(job_spec())
     assert minimal.type == "pytorch" and minimal.cleanup == "keep_failed"
+    assert minimal.placement == "zone" and minimal.placement_group is False
+    assert parse_spec(job_spec(placement_group=True)).placement_group is True
 
 
 @pytest.mark.parametrize(
@@ -75,6 +77,14 @@ def test_example_and_defaults() -> None:
         ),
         ({"elastic": {"peer_copy": True}}, "peer_copy keeps shards in memory for live resize"),
         ({"spot": {"more_regions": ["us-west-2", "us-east-1"]}}, "more_regions repeats us-east-1"),
+        # a cluster placement group is one zone's
+        (
+            {"placement": "region", "placement_group": True},
+            "(spec): placement_group needs placement: zone (a cluster placement group is one "
+            "zone's), not region",
+        ),
+        ({"placement": "any", "placement_group": True}, "placement_group needs placement: zone"),
+        ({"placement_group": "yes"}, "placement_group: Input should be a valid boolean"),
         (
             {"spot": {"more_regions": ["us-west-2"], "zones": ["us-west-2a", "eu-west-1b"]}},
             "spot: zones ['eu-west-1b'] are in none of the regions ['us-east-1', 'us-west-2']",

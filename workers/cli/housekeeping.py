@@ -1,6 +1,6 @@
 """`spotrain gc`, `spotrain release` and `spotrain logs`: commands that look past Temporal at
-what jobs leave behind (EC2 instances, Karpenter NodeClaims, local rank processes,
-checkpoints, and the local runtime's rank logs). The provider and runtime they need are
+what jobs leave behind (EC2 instances and placement groups, Karpenter NodeClaims, local rank
+processes, checkpoints, and the local runtime's rank logs). The provider and runtime they need are
 imported only when they run.
 """
 
@@ -33,6 +33,7 @@ from spotrain.workers.cli.support import (
 
 if TYPE_CHECKING:
     from spotrain.activities.ec2_ownership import Orphan
+    from spotrain.activities.ec2_placement import OrphanGroup
     from spotrain.activities.kube import KubeRuntime
 
 T = TypeVar("T")
@@ -61,6 +62,15 @@ def instance_rows(instances: list[Orphan]) -> list[dict[str, str]]:
     ]
 
 
+def group_rows(groups: list[OrphanGroup]) -> list[dict[str, str]]:
+    return [{"name": g.name, "job": g.job, "state": g.state} for g in groups]
+
+
+def print_groups(rows: list[dict[str, str]]) -> None:
+    for r in rows:  # state: the group's (a dry run), "deleted", or "in use" (the next gc)
+        out.print(f"placement group {r['name']} of {r['job'] or '(no job)'}: {r['state']}")
+
+
 def instance_table(rows: list[dict[str, str]], title: str) -> Table:
     table = Table("instance", "job", "state", "type", "zone", "launched", title=title)
     for r in rows:
@@ -76,7 +86,8 @@ NO_AWS = (
 
 
 async def cmd_gc(args: argparse.Namespace) -> int:
-    """What terminated jobs left: EC2 instances (by their tags), the local runtime's rank
+    """What terminated jobs left: EC2 instances, then placement groups (by their tags; a
+    group its instances still shut down in is deleted by the next gc), the local runtime's rank
     processes (by its state dir) and, with the Kubernetes runtime, pods and objects (by their
     labels). A job counts as running unless Temporal says otherwise, and an unreachable
     Temporal stops gc before anything is reaped."""
@@ -84,6 +95,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
 
     from spotrain.activities.ec2 import EC2Provider
     from spotrain.activities.ec2_ownership import reap
+    from spotrain.activities.ec2_placement import reap_groups
     from spotrain.activities.local import LocalRuntime
     from spotrain.elastic.job_store import reap_checkpoints
     from spotrain.workers.worker import DEFAULT_STATE_DIR
@@ -109,6 +121,13 @@ async def cmd_gc(args: argparse.Namespace) -> int:
                 reap, provider.client(region), job_running, args.apply
             )
         ]
+        groups = [
+            group
+            for region in args.region or [provider.region]
+            for group in await asyncio.to_thread(
+                reap_groups, provider.client(region), job_running, args.apply
+            )
+        ]
         processes = await asyncio.to_thread(local.reap, job_running, args.apply)
         pods = claims = None
         if kube is not None:
@@ -130,6 +149,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
             {
                 "applied": args.apply,
                 "orphans": rows,
+                "placement_groups": group_rows(groups),
                 "processes": procs,
                 "pods": jobs_pods,
                 "nodeclaims": claims,
@@ -139,6 +159,7 @@ async def cmd_gc(args: argparse.Namespace) -> int:
         return OK
     title = "terminated" if args.apply else "orphans (dry run: --apply to reap)"
     out.print(instance_table(rows, title) if rows else "no orphaned instances")
+    print_groups(group_rows(groups))
     for p in procs:
         pids = ", ".join(map(str, p["pids"]))
         out.print(f"{'killed' if args.apply else 'orphaned'} rank processes of {p['job']}: {pids}")
@@ -213,6 +234,7 @@ async def cmd_release(args: argparse.Namespace) -> int:
 
     from spotrain.activities.ec2 import EC2Provider
     from spotrain.activities.ec2_ownership import reap
+    from spotrain.activities.ec2_placement import reap_groups
     from spotrain.activities.local import LocalRuntime
     from spotrain.workers.worker import DEFAULT_STATE_DIR
 
@@ -245,6 +267,13 @@ async def cmd_release(args: argparse.Namespace) -> int:
                 reap, provider.client(region), lambda _: False, True, args.name
             )
         ]
+        groups = [  # "in use" while its instances shut down: `spotrain gc` deletes it later
+            group
+            for region in args.region or [provider.region]
+            for group in await asyncio.to_thread(
+                reap_groups, provider.client(region), lambda _: False, True, args.name
+            )
+        ]
     except (BotoCoreError, ClientError) as e:
         raise CliError(f"EC2 at {provider.endpoint_url or 'AWS'}: {e}") from None
     local = LocalRuntime(args.state_dir or DEFAULT_STATE_DIR)
@@ -259,12 +288,15 @@ async def cmd_release(args: argparse.Namespace) -> int:
     rows = instance_rows(released)
     if args.json:
         body = {"job": args.name, "workflow": workflow, "instances": rows, "pids": pids}
-        emit_json(body | {"pods": pods, "nodeclaims": claims})
+        emit_json(
+            body | {"placement_groups": group_rows(groups), "pods": pods, "nodeclaims": claims}
+        )
         return OK
     out.print(f"{args.name}: workflow {workflow}")
     out.print(
         instance_table(rows, "terminated") if rows else f"no live instances tagged {args.name}"
     )
+    print_groups(group_rows(groups))
     killed = ", ".join(map(str, pids))
     out.print(f"killed rank processes: {killed}" if pids else "no rank processes")
     if kube is not None:

@@ -232,8 +232,8 @@ def parser() -> argparse.ArgumentParser:
     c = command(
         "gc",
         cmd_gc,
-        "find (and with --apply reap) instances, local rank processes and Kubernetes pods whose "
-        "job is not running",
+        "find (and with --apply reap) instances, placement groups, local rank processes and "
+        "Kubernetes pods whose job is not running",
         "  spotrain gc\n  spotrain gc --apply --region us-east-1 --region us-west-2",
     )
     c.add_argument("--apply", action="store_true", help="terminate (default: dry run)")
@@ -257,8 +257,8 @@ def parser() -> argparse.ArgumentParser:
         "release",
         cmd_release,
         "for a STUCK job (its workflow task keeps failing): terminate it and release what it "
-        "owns by its ownership tags (EC2 instances in each region, local rank processes, or "
-        "its pods and objects on Kubernetes); safe to repeat",
+        "owns by its ownership tags (EC2 instances and placement groups in each region, local "
+        "rank processes, or its pods and objects on Kubernetes); safe to repeat",
         "  spotrain release my-job\n  spotrain release my-job --region us-east-1 --region "
         "us-west-2 --json\n  spotrain release my-job --runtime kubernetes",
     )

@@ -115,6 +115,7 @@ def _spec_rules() -> list[dict[str, str]]:
 
     lo, hi = elastic("min_nodes"), elastic("max_nodes")
     base = _or_default(OnDemandPolicy, "base_nodes", "self.on_demand")
+    placement = JobSpec.model_fields["placement"].default
     return [
         {
             "rule": f"!has(self.replicas) || ({lo} <= self.replicas && self.replicas <= {hi})",
@@ -136,6 +137,12 @@ def _spec_rules() -> list[dict[str, str]]:
             "rule": f"!has(self.on_demand) || {base} <= {hi}",
             "message": "on_demand.base_nodes must be <= elastic.max_nodes",
             "fieldPath": ".on_demand.base_nodes",
+        },
+        {
+            "rule": "!has(self.placement_group) || !self.placement_group || "
+            f"(has(self.placement) ? self.placement : '{placement}') == 'zone'",
+            "message": "placement_group needs placement: zone",
+            "fieldPath": ".placement_group",
         },
     ]
 

@@ -168,6 +168,7 @@ class Fleet:
             gpus=s.spec.instance_type(node.instance_type).gpus,
             **self._regions(),
             fallback_pools=[(t, z) for t, z, lc in rest if lc == "spot" and z] if spot else [],
+            placement_group=s.spec.placement_group,
         )
 
     def _ready(self, node: NodeRecord, info: NodeInfo) -> None:
