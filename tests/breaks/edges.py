@@ -109,8 +109,8 @@ EC2_BREAKS = [
     Break(
         "the managed tag",
         OWN_PY,
-        '        {"Key": MANAGED, "Value": "true"},\n',
-        "",
+        '[{"Key": MANAGED, "Value": "true"}, {"Key": TAG_JOB, "Value": job}]',
+        '[{"Key": TAG_JOB, "Value": job}]',
         EC2("test_launch_lifecycle_and_tags"),
     ),
     Break(

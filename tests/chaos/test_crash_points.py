@@ -93,14 +93,19 @@ async def crash_cycle(env: ChaosEnv, point: str, limit: asyncio.Semaphore) -> Fi
 
 # The set-up alone may take START_TIMEOUT_S, then a reclaim cycle with a worker's death and
 # restart: pytest's default 300 s for the whole test ended it beside two busy loops in CI.
+# The points in two halves, every other one: each half's eight jobs at once took about half
+# of the whole sweep's 127 s (a full suite on 2 cores), and no test of the suite runs over 90 s.
 @pytest.mark.timeout(START_TIMEOUT_S + 600)
-async def test_worker_killed_at_every_point_of_a_reclaim_cycle(chaos_env: ChaosEnv) -> None:
+@pytest.mark.parametrize("half", [0, 1])
+async def test_worker_killed_at_every_point_of_a_reclaim_cycle(
+    chaos_env: ChaosEnv, half: int
+) -> None:
     limit = asyncio.Semaphore(CONCURRENT)
     only = os.environ.get("CHAOS_POINTS")  # a comma-separated subset, to chase one failure
-    points = only.split(",") if only else POINTS + (FULL_POINTS if FULL else [])
+    points = (only.split(",") if only else POINTS + (FULL_POINTS if FULL else []))[half::2]
     figures = await asyncio.gather(*(crash_cycle(chaos_env, p, limit) for p in points))
     for fig in figures:
         fig.write()
     failed = {f.scenario: f.problems for f in figures if f.problems}
     assert not failed, failed
-    assert len(figures) >= (1 if only else 12)
+    assert len(figures) >= (0 if only else 8)
