@@ -63,6 +63,7 @@ from .goodput_model import (
     ring_transfer,
     slowdown,
 )
+from .goodput_prices import price_table
 from .goodput_rebalance import Recommendations
 
 INSTANCE_TYPE = "p3.2xlarge"
@@ -517,6 +518,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "live_pauses": asdict(pauses),
             "live_pauses_from": str(pauses_from.relative_to(REPO)),
         },
+        "prices": [vars(p) for p in args.prices],  # per trace: what its nodes cost, and why
         "load_average": os.getloadavg(),
         "rows": [r.report(setup, oracle_h, rows[0].idle()) for r in rows],
         "abandoned": log.abandoned,
@@ -524,6 +526,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bench_s": time.monotonic() - began,
     }
     publish(report, report["rows"], COLUMNS, args.out / "goodput.json")
+    print()
+    print(price_table(args.prices))
     if sweep is not None:
         from .deadline_sweep import SWEEP_COLUMNS
 

@@ -1,5 +1,5 @@
 """The goodput benchmark's command line (bench/goodput.py): the setup's numbers, the traces,
-and which rows to run."""
+their prices (goodput_prices.py) and which rows to run."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from .common import REPO, load_traces
+from .common import DEFAULT_TRACE, REPO, SHARED_TRACES, load_traces
 from .goodput_model import Setup
+from .goodput_prices import PriceError, one_price, trace_price, with_zone
 
 
 def parse_args(argv: list[str] | None, description: str) -> tuple[Setup, argparse.Namespace]:
@@ -46,8 +47,6 @@ def parse_args(argv: list[str] | None, description: str) -> tuple[Setup, argpars
         "boot_median_s",
         "boot_sigma",
         "seed",
-        "spot_price",
-        "on_demand_price",
         "deadline_h",
         "deadline_margin_s",
         "run_timeout_s",
@@ -58,6 +57,15 @@ def parse_args(argv: list[str] | None, description: str) -> tuple[Setup, argpars
             f"--{name.replace('_', '-')}",
             type=int if isinstance(default, int) else float,
             default=default,
+        )
+    for flag, what in (("--spot-price", "spot"), ("--on-demand-price", "on-demand")):
+        p.add_argument(
+            flag,
+            type=float,
+            default=None,
+            metavar="USD",
+            help=f"USD per {what} node-hour, for every trace (default: each trace's cloud's "
+            "price, by its file name: aws or gcp, and its GPU; the table in goodput_prices.py)",
         )
     p.add_argument(
         "--resize",
@@ -104,5 +112,20 @@ def parse_args(argv: list[str] | None, description: str) -> tuple[Setup, argpars
     )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if hasattr(defaults, k) and k != "resize"}
-    return replace(defaults, **fields, traces=load_traces(args.trace)), args
+    fields = {
+        k: v
+        for k, v in vars(args).items()
+        if hasattr(defaults, k) and k not in ("resize", "spot_price", "on_demand_price")
+    }
+    named = [with_zone(a) for a in args.trace] or [str(SHARED_TRACES / DEFAULT_TRACE)]
+    traces = load_traces(named)
+    try:
+        args.prices = [
+            trace_price(t.zone, a, args.spot_price, args.on_demand_price)
+            for t, a in zip(traces, named, strict=True)
+        ]
+        spot, on_demand = one_price(args.prices)
+    except PriceError as err:
+        p.error(str(err))  # exits 2 with the message, no traceback
+    setup = replace(defaults, **fields, traces=traces, spot_price=spot, on_demand_price=on_demand)
+    return setup, args

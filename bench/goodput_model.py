@@ -56,6 +56,8 @@ class Setup:
     rebalance_lead_min_s: float = LEAD_MIN_S  # a true one's lead: log-uniform, 17 min ...
     rebalance_lead_max_s: float = LEAD_MAX_S  # ... to 8 h 42 min (the published sample)
     max_surge_nodes: int = 1  # make-before-break rows: the overlap may exceed max_nodes by this
+    # USD per node-hour (AWS p3.2xlarge's); the command line sets both from the traces'
+    # cloud and GPU (goodput_prices.py) or its --spot-price / --on-demand-price
     spot_price: float = 0.9701
     on_demand_price: float = 3.06
     deadline_h: float | None = None

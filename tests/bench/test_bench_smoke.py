@@ -104,8 +104,8 @@ def test_fixed_at_available_restarts_at_each_size_the_market_gives(tmp_path: Pat
 def test_goodput_benchmark_runs_the_real_workflow(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    a = write_trace(tmp_path / "a.json", TICKS_A)
-    b = write_trace(tmp_path / "b.json", TICKS_B)
+    a = write_trace(tmp_path / "a_aws_v100.json", TICKS_A)  # priced as AWS's (goodput_prices)
+    b = write_trace(tmp_path / "b_aws_v100.json", TICKS_B)
     report = goodput.main(
         [
             *("--trace", f"us-test-1a={a}", "--trace", f"us-test-1b={b}"),
@@ -150,6 +150,11 @@ def test_goodput_benchmark_runs_the_real_workflow(
         json.loads(printed)["rows"] == json.loads((tmp_path / "goodput.json").read_text())["rows"]
     )
     assert table.splitlines()[0].split()[:3] == ["policy", "engine", "wall_h"]
+    assert [(p["zone"], p["cloud"], p["spot_price"], p["source"]) for p in report["prices"]] == [
+        ("us-test-1a", "aws", 0.9701, "table"),
+        ("us-test-1b", "aws", 0.9701, "table"),
+    ]
+    assert "prices per trace (USD per node-hour):" in table and "p3.2xlarge" in table
     assert (tmp_path / "goodput_world_size.png").stat().st_size > 10_000
 
 

@@ -79,6 +79,7 @@ def test_the_benchmark_with_recommendations(tmp_path: Path) -> None:
             *("--rebalance", "--rebalance-fp-rate", "0", "--max-surge-nodes", "2"),
             *("--rebalance-lead-min-s", "600", "--rebalance-lead-max-s", "600"),
             *("--only", "elastic", "--no-deadline", "--out", str(tmp_path)),
+            *("--spot-price", "0.9701", "--on-demand-price", "3.06"),  # a.json names no cloud
             *("--wedge-s", "15", "--run-timeout-s", "60"),
         ]
     )
