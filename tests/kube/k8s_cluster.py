@@ -9,8 +9,8 @@ ServiceAccount through the TokenRequest API, each written as a kubeconfig file.
 Only the kubelet is missing (no container runtime here). Two stand-ins, each on its own nodes:
 - kwok manages the nodes created with `fake=True` (annotation spotrain.test/kwok=fake): it
   keeps them Ready and turns every pod bound to them Running and Ready, running nothing; a
-  deleted pod goes at its deletionTimestamp, i.e. after its grace period, as if its container
-  ignored SIGTERM.
+  pod deleted with a grace period goes at its deletionTimestamp, as if its container ignored
+  SIGTERM (tests/kube/k8s_config.py).
 - nodes created with `fake=False` are left to the test, e.g. tests/kube/kube_kubelet.py, which runs
   a bound pod's command as a local process.
 
@@ -47,6 +47,7 @@ from kubernetes import client, config, utils
 
 from spotrain.workers.embedded.stack import free_port
 from tests.kube.k8s_certs import b64, dn, issue_cert, new_key, pem_key
+from tests.kube.k8s_config import AUDIT_POLICY, KWOK_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "infra/k8s/controlplane/build.sh"
@@ -65,84 +66,6 @@ RBAC_IN_FORCE = (
 # Karpenter's kwok provider puts on every node it makes: tests/kube/karpenter.py keeps those)
 FAKE = "spotrain.test/kwok"
 TOOLS = ("etcd", "kube-apiserver", "kube-scheduler", "kwok")
-
-# kwok's stages: nodes become Ready (capacity comes from add_node); pods on them Running and
-# Ready; a pod deleted with a grace period is removed at its deletionTimestamp (like a
-# container that ignores SIGTERM). Not one deleted with none: the apiserver removes it itself,
-# and kwok's delete, by name, came late enough under load to remove the pod made anew under
-# that name (test_a_pod_deleted_at_once_is_not_deleted_again).
-KWOK_STAGES = """
-apiVersion: kwok.x-k8s.io/v1alpha1
-kind: Stage
-metadata: {name: node-ready}
-spec:
-  resourceRef: {apiGroup: v1, kind: Node}
-  selector:
-    matchExpressions:
-    - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: NotIn,
-       values: ["True"]}
-  next:
-    statusTemplate: |
-      {{ $now := Now }}
-      conditions:
-      {{ range NodeConditions }}
-      - {lastHeartbeatTime: {{ $now | Quote }}, lastTransitionTime: {{ $now | Quote }},
-         message: {{ .message | Quote }}, reason: {{ .reason | Quote }},
-         status: {{ .status | Quote }}, type: {{ .type | Quote }}}
-      {{ end }}
-      addresses: [{address: {{ NodeIP | Quote }}, type: InternalIP}]
-      phase: Running
----
-apiVersion: kwok.x-k8s.io/v1alpha1
-kind: Stage
-metadata: {name: pod-ready}
-spec:
-  resourceRef: {apiGroup: v1, kind: Pod}
-  selector:
-    matchExpressions:
-    - {key: .metadata.deletionTimestamp, operator: DoesNotExist}
-    - {key: .status.phase, operator: In, values: [Pending]}
-    - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: NotIn,
-       values: ["True"]}
-  next:
-    statusTemplate: |
-      {{ $now := Now }}
-      conditions:
-      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Initialized}
-      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Ready}
-      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: ContainersReady}
-      containerStatuses:
-      {{ range .spec.containers }}
-      - {image: {{ .image | Quote }}, name: {{ .name | Quote }}, ready: true, restartCount: 0,
-         state: {running: {startedAt: {{ $now | Quote }}}}}
-      {{ end }}
-      {{ $ips := PodIPsWith .spec.nodeName false .metadata.uid .metadata.name .metadata.namespace }}
-      podIP: {{ index $ips 0 | Quote }}
-      phase: Running
-      startTime: {{ $now | Quote }}
----
-apiVersion: kwok.x-k8s.io/v1alpha1
-kind: Stage
-metadata: {name: pod-delete}
-spec:
-  resourceRef: {apiGroup: v1, kind: Pod}
-  selector:
-    matchExpressions:
-    - {key: .metadata.deletionTimestamp, operator: Exists}
-    - {key: '.metadata.deletionGracePeriodSeconds > 0', operator: In, values: ['true']}
-  delay:
-    durationMilliseconds: 0
-    durationFrom: {expressionFrom: .metadata.deletionTimestamp}
-  next: {delete: true}
-"""
-
-
-AUDIT_POLICY = """
-apiVersion: audit.k8s.io/v1
-kind: Policy
-omitStages: [RequestReceived, ResponseStarted]
-rules: [{level: Metadata}]
-"""
 
 
 @dataclass(frozen=True)
