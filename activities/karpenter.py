@@ -25,15 +25,21 @@ invalid requests are CONFIG_ERROR; other API errors are retried.
 
 Prices: Karpenter exposes none to its clients, so offers carry the spec's prices (an instance
 type's spot_price, else the job's cap).
+
+Zones: a spec with no `spot.zones` is offered in the zones the NodePool allows (its
+requirement on topology.kubernetes.io/zone), else in those of the cluster's Ready nodes, so the
+job's home-zone rule pins every claim, its first ones too, into one zone. Only with neither
+does an offer name no zone and Karpenter choose (issue 49).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -69,6 +75,8 @@ TRAINING_TAINT = {"key": "spotrain.io/lifecycle", "value": "training", "effect":
 POLL_S = 0.1
 NodeState = Literal["requested", "ready", "gone"]
 NAME_MAX = 63  # the claim's name is also its node's spotrain.io/node label value
+NODEPOOLS = "nodepools"
+log = logging.getLogger(__name__)
 
 
 def claim_name(job: str, slot: int, attempt: int) -> str:
@@ -93,13 +101,15 @@ def node_class_ref(setting: str) -> dict[str, str]:
     return dict(zip(("group", "kind", "name"), parts, strict=True))
 
 
-def spec_offers(policy: SpotPolicy) -> list[Offer]:
+def spec_offers(policy: SpotPolicy, zones: Iterable[str] = ()) -> list[Offer]:
     """Every (type, zone) spot pool the spec allows, cheapest per GPU first, each type in every
-    zone before the next type (so k offers span k zones); no zones in the spec: one pool per
-    type in any zone, Karpenter's pick. Whether one can serve now is learnt by launching:
-    Karpenter answers no such query. Prices: the spec's spot price, else the cap."""
+    zone before the next type (so k offers span k zones). No zones in the spec: `zones` (what
+    the cluster allows, `offer_zones`), else one pool per type in any zone, Karpenter's pick.
+    Whether one can serve now is learnt by launching: Karpenter answers no such query.
+    Prices: the spec's spot price, else the cap."""
     if not policy.enabled:
         return []
+    where = list(policy.zones or zones) or [""]
     offers = []
     for t in sorted(
         policy.instance_types, key=lambda t: (t.spot_price or t.on_demand_price) / max(t.gpus, 1)
@@ -107,10 +117,29 @@ def spec_offers(policy: SpotPolicy) -> list[Offer]:
         cap = policy.max_price or t.on_demand_price
         price = t.spot_price or cap
         if price <= cap:
-            offers += [
-                Offer(instance_type=t.name, zone=z, price=price) for z in policy.zones or [""]
-            ]
+            offers += [Offer(instance_type=t.name, zone=z, price=price) for z in where]
     return offers
+
+
+def offer_zones(nodepool: Mapping[str, Any] | None, nodes: Iterable[client.V1Node]) -> list[str]:
+    """The zones a spec without `spot.zones` is offered in, sorted: those the NodePool's
+    template requires (`topology.kubernetes.io/zone` In), else those of the Ready nodes that
+    carry the label, less any the NodePool excludes (NotIn); [] when neither names one.
+    Karpenter may launch only where its pool allows, and a cluster's nodes show where its
+    subnets are: an offer per zone lets the job's home-zone rule pick one for every claim."""
+    template = (nodepool or {}).get("spec", {}).get("template", {}).get("spec", {})
+    rules = [r for r in template.get("requirements") or [] if r.get("key") == ZONE]
+    allowed = {v for r in rules if r.get("operator") == "In" for v in r.get("values") or []}
+    if allowed:
+        return sorted(allowed)
+    excluded = {v for r in rules if r.get("operator") == "NotIn" for v in r.get("values") or []}
+    seen = set()
+    for node in nodes:
+        zone = (node.metadata.labels or {}).get(ZONE)
+        conditions = (node.status and node.status.conditions) or []
+        if zone and any(c.type == "Ready" and c.status == "True" for c in conditions):
+            seen.add(zone)
+    return sorted(seen - excluded)
 
 
 def claim_body(
@@ -238,6 +267,7 @@ class KarpenterProvider:
         self.node_class = node_class_ref(node_class)
         self.nodepool = nodepool
         self.launch_timeout_s = launch_timeout_s
+        self._said_zoneless = False  # the zone-less fallback is logged once per worker
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> KarpenterProvider:
@@ -256,7 +286,40 @@ class KarpenterProvider:
 
     @activity.defn(name=contract.FIND_OFFERS)
     def find_offers(self, policy: SpotPolicy) -> list[Offer]:
-        return spec_offers(policy)
+        """The spec's pools; with no `spot.zones`, one per zone the cluster allows
+        (`offer_zones`), read-only: the NodePool (get) and, only when it restricts no zone,
+        the nodes (list)."""
+        if not policy.enabled or policy.zones:
+            return spec_offers(policy)
+        with _typed_errors():
+            pool = self._nodepool()
+            zones = offer_zones(pool, [])
+            if not zones:
+                zones = offer_zones(pool, self.core.list_node().items)
+        if not zones and not self._said_zoneless:
+            self._said_zoneless = True
+            log.warning(
+                "no zone to offer in (NodePool %s restricts none, no Ready node has %s): "
+                "offers name no zone and Karpenter picks, so a job's first NodeClaims may "
+                "span zones; list spot.zones to pin them",
+                self.nodepool or "(none)",
+                ZONE,
+            )
+        return spec_offers(policy, zones)
+
+    def _nodepool(self) -> dict[str, Any] | None:
+        """The provider's NodePool, None when none is configured or it does not exist."""
+        if not self.nodepool:
+            return None
+        try:
+            return dict(
+                self.api.get_cluster_custom_object(GROUP, VERSION, NODEPOOLS, self.nodepool)
+            )
+        except ApiException as err:
+            if err.status == 404:
+                log.warning("NodePool %s not found: offering the nodes' zones", self.nodepool)
+                return None
+            raise
 
     # --- launch ------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The Karpenter provider's pure parts: a slot's NodeClaim (its name, requirements and
 ownership), how a claim's status reads as a node's state, which watch events of a claim are
-notices, and the offers from a spec. The calls themselves run against a real Karpenter in
+notices, the offers from a spec and the zones they are offered in when the spec names none. The
+calls themselves run against a real Karpenter in
 tests/kube/test_karpenter.py."""
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ import re
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from spotrain.activities.karpenter import (
     claim_body,
     claim_name,
     claim_state,
     node_class_ref,
+    offer_zones,
     spec_offers,
 )
 from spotrain.workers.karpenter_notices import TERMINATION_AT, notice_for
@@ -151,6 +154,45 @@ def test_offers_are_the_specs_pools_at_its_prices() -> None:
     capped = SpotPolicy.model_validate({"instance_types": [one], "max_price": 0.3})
     assert spec_offers(capped) == []  # the spec's spot price is over the cap
     assert spec_offers(policy.model_copy(update={"enabled": False})) == []
+    # the cluster's zones stand in for the spec's only when the spec names none
+    assert [o.zone for o in spec_offers(anywhere, ["us-east-1b", "us-east-1c"])] == [
+        "us-east-1b",
+        "us-east-1c",
+    ]
+    assert [o.zone for o in spec_offers(policy, ["us-east-1c"])] == [
+        o.zone for o in spec_offers(policy)
+    ]
+
+
+def nodepool(*requirements: dict[str, Any]) -> dict[str, Any]:
+    return {"spec": {"template": {"spec": {"requirements": list(requirements)}}}}
+
+
+def node(zone: str | None, ready: str = "True") -> client.V1Node:
+    labels = {"topology.kubernetes.io/zone": zone} if zone else {}
+    return client.V1Node(
+        metadata=client.V1ObjectMeta(name=f"n-{zone}", labels=labels),
+        status=client.V1NodeStatus(conditions=[client.V1NodeCondition(type="Ready", status=ready)]),
+    )
+
+
+ZONE_IN = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["b-2", "a-1"]}
+SPOT = {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}
+
+
+def test_a_spec_without_zones_is_offered_where_the_nodepool_else_the_nodes_allow() -> None:
+    """The NodePool's zone requirement wins; a pool that restricts no zone (or none at all)
+    falls back to the zones of Ready labelled nodes, less the pool's NotIn; else nothing
+    (then the offers name no zone: Karpenter's pick)."""
+    nodes = [node("c-3"), node("d-4"), node("e-5", ready="False"), node(None), node("c-3")]
+    assert offer_zones(nodepool(SPOT, ZONE_IN), nodes) == ["a-1", "b-2"]
+    assert offer_zones(nodepool(SPOT), nodes) == ["c-3", "d-4"]
+    assert offer_zones(None, nodes) == ["c-3", "d-4"]
+    assert offer_zones({}, nodes) == ["c-3", "d-4"]
+    not_d = {"key": "topology.kubernetes.io/zone", "operator": "NotIn", "values": ["d-4"]}
+    assert offer_zones(nodepool(not_d), nodes) == ["c-3"]
+    assert offer_zones(nodepool(SPOT), []) == []
+    assert offer_zones(None, [node("e-5", ready="False"), node(None)]) == []
 
 
 def test_the_karpenter_provider_needs_the_kubernetes_runtime(

@@ -1,7 +1,7 @@
 """A real Karpenter controller on the test control plane: Karpenter's kwok provider (the `kwok`
 command of sigs.k8s.io/karpenter, built by `infra/k8s/controlplane/build.sh karpenter`) with
-its CRDs, one KWOKNodeClass, a NodePool and instance types that offer spot and on-demand at
-their prices.
+its CRDs, one KWOKNodeClass, a NodePool (in two zones) and instance types that offer spot and
+on-demand at their prices.
 
 Karpenter does the real work of a NodeClaim: launch (its kwok provider makes the Node), the
 registration and initialization, the deletion and drain of a claim (its termination
@@ -57,6 +57,8 @@ spec:
       nodeClassRef: {{group: karpenter.kwok.sh, kind: KWOKNodeClass, name: default}}
       requirements:
       - {{key: karpenter.sh/capacity-type, operator: In, values: [spot, on-demand]}}
+      # (what the provider offers a spec without zones in: activities/karpenter.offer_zones)
+      - {{key: topology.kubernetes.io/zone, operator: In, values: [{", ".join(ZONES)}]}}
       expireAfter: Never
   # As eager to consolidate as Karpenter can be: a node it may take, it takes at once.
   disruption: {{consolidationPolicy: WhenEmptyOrUnderutilized, consolidateAfter: 0s}}

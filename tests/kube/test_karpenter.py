@@ -2,7 +2,8 @@
 on the real apiserver, as the worker's ServiceAccount with infra/k8s/karpenter/rbac.yaml: a
 launch is a NodeClaim that Karpenter launches, registers and initializes; a retried launch
 makes no second claim; spot that Karpenter cannot launch is a capacity error; consolidation
-leaves a training node alone; release leaves nothing behind.
+leaves a training node alone; release leaves nothing behind; a spec without zones is offered in
+the NodePool's zones, else the Ready nodes'.
 
 Stood in for: the kubelet and the node lifecycle controller (tests/kube/karpenter.py's
 KarpenterNodes posts each new node Ready and lifts its not-ready taint)."""
@@ -22,6 +23,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from spotrain.activities.karpenter import (
+    KarpenterProvider,
     claim_body,
     claim_name,
     node_class_ref,
@@ -32,10 +34,12 @@ from spotrain.workflows.contract import (
     LaunchRequest,
     ReleaseRequest,
 )
+from spotrain.workflows.spec import SpotPolicy
 from tests.kube.k8s_cluster import ROOT, ControlPlane
 from tests.kube.karpenter import (
     NODE_CLASS,
     NODEPOOL,
+    ZONES,
     Karpenter,
     KarpenterNodes,
     provider,
@@ -151,6 +155,29 @@ def test_consolidation_leaves_a_training_node_alone(
         env.run(p.describe_nodes, DescribeRequest(job="train-e", node_ids=[ours.node_id]))[0].state
         == "ready"
     )
+
+
+def test_a_spec_without_zones_is_offered_in_the_nodepools_zones_else_the_nodes(
+    cluster: ControlPlane, karpenter: Karpenter, nodes: KarpenterNodes
+) -> None:
+    """As the worker's ServiceAccount: the NodePool's zone requirement (the test pool allows
+    two zones); no NodePool (or one that does not exist): the zones of Ready nodes; no node
+    either: one zone-less offer per type. A spec that names zones reads nothing."""
+    env = ActivityEnvironment()
+    types = [{"name": "g5.xlarge", "gpus": 1, "on_demand_price": 1.01, "spot_price": 0.40}]
+    anywhere = SpotPolicy.model_validate({"instance_types": types})
+    named = SpotPolicy.model_validate({"instance_types": types, "zones": ["us-east-1c"]})
+    worker = cluster.api_client(cluster.service_account_kubeconfig("spotrain-worker"))
+    pooled = provider(cluster)
+    assert [o.zone for o in env.run(pooled.find_offers, anywhere)] == list(ZONES)
+    assert [o.zone for o in env.run(pooled.find_offers, named)] == ["us-east-1c"]
+    for pool in (None, "no-such-pool"):
+        bare = KarpenterProvider(worker, node_class=NODE_CLASS, nodepool=pool)
+        assert [o.zone for o in env.run(bare.find_offers, anywhere)] == [""]  # no node yet
+    env.run(pooled.launch_node, launch("train-z", zone="us-east-1b", lifecycle="on-demand"))
+    for pool in (None, "no-such-pool"):
+        bare = KarpenterProvider(worker, node_class=NODE_CLASS, nodepool=pool)
+        assert [o.zone for o in env.run(bare.find_offers, anywhere)] == ["us-east-1b"]
 
 
 def claim_body_without_protection(req: LaunchRequest) -> dict[str, Any]:

@@ -2,6 +2,9 @@
 apiserver (tests/kube/karpenter.py), with the worker's Karpenter notices (workers/
 karpenter_notices.py) as the only notice path:
 
+- a zone-bound job whose spec names no zone gets every NodeClaim required into one zone of the
+  NodePool's, and its nodes all land there (issue 49); its run uses every verb the worker's
+  Karpenter grant (infra/k8s/karpenter/rbac.yaml) gives, and no other, by the audit log;
 - spot that Karpenter can no longer launch falls back to on-demand, and the job goes back to
   spot when spot returns; a NodeClaim deleted as Karpenter's interruption handling deletes it
   is a notice; cancel leaves no NodeClaim behind (the simulated runtime: no pods needed);
@@ -27,6 +30,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from kubernetes import client
 from temporalio.client import Client
@@ -34,6 +38,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.kube import KubeRuntime
 from spotrain.activities.kube_live import PORT_SPAN
+from spotrain.workers import karpenter_notices as karpenter_notices_module
 from spotrain.workers.embedded.stack import port_block
 from spotrain.workers.k8s.operator_status import job_name
 from spotrain.workers.karpenter_notices import KarpenterNotices
@@ -44,8 +49,10 @@ from tests.elastic.test_live_resize import live_job_spec
 from tests.elastic.test_local_runtime import WORKER
 from tests.jobs import fast_runtime, fast_spec
 from tests.kube.k8s_cluster import NAMESPACE, ControlPlane
-from tests.kube.karpenter import TYPES, Karpenter, KarpenterNodes, provider
+from tests.kube.karpenter import RBAC, TYPES, ZONES, Karpenter, KarpenterNodes, provider
 from tests.kube.kube_kubelet import LocalKubelet
+from tests.kube.kube_support import WORKER as WORKER_SA
+from tests.kube.kube_support import granted
 from tests.kube.kubectl import Kubectl
 from tests.kube.kubectl import kubectl_fixture as kubectl_fixture
 from tests.kube.operator.operator_support import NS, operator, resource, wait_for
@@ -111,6 +118,70 @@ async def until_true(check: Callable[[], bool], timeout: float) -> None:
     while not await asyncio.to_thread(check):
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.1)
+
+
+def required_zones(claim: dict[str, Any]) -> list[str]:
+    """The zones a NodeClaim requires ([] for none: Karpenter's pick)."""
+    return [
+        zone
+        for r in claim["spec"]["requirements"]
+        if r["key"] == "topology.kubernetes.io/zone" and r["operator"] == "In"
+        for zone in r["values"]
+    ]
+
+
+async def test_a_zone_bound_job_without_zones_keeps_its_first_nodeclaims_in_one_zone(
+    dev_env: WorkflowEnvironment,
+    cluster: ControlPlane,
+    karpenter: Karpenter,
+    nodes: KarpenterNodes,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`placement: zone` (the default) and no `spot.zones`: the provider offers the NodePool's
+    zones, the job picks one home, and its first generation's claims all require it."""
+    # A watch is in the audit log once it ends: short ones, so the notices' shows up.
+    monkeypatch.setattr(karpenter_notices_module, "WATCH_S", 1)
+    spec = fast_spec(total_steps=10**6, spot=dict(SPOT_POLICY, zones=[]))
+    spec["elastic"] |= {"min_nodes": 3, "max_nodes": 3}
+    name, queue = spec["name"], uuid.uuid4().hex
+    mark = cluster.audit_mark()
+    with ThreadPoolExecutor(16) as pool:
+        async with (
+            workflow_worker(
+                dev_env.client,
+                queue,
+                provider(cluster).activities() + fast_runtime().activities(),
+                activity_executor=pool,
+            ),
+            karpenter_notices(dev_env.client, cluster),
+        ):
+            handle = await dev_env.client.start_workflow(
+                "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
+            )
+            status = await wait_status(handle, lambda s: s.world_size == 3, 60)
+            claims = await asyncio.to_thread(karpenter.claims, f"spotrain.io/job={name}")
+            core = client.CoreV1Api(cluster.admin)
+            landed = {
+                c["metadata"]["name"]: core.read_node(c["status"]["nodeName"]).metadata.labels[
+                    "topology.kubernetes.io/zone"
+                ]
+                for c in claims.values()
+            }
+            await handle.cancel()
+            await wait_status(handle, lambda s: s.phase == "Cancelled", 60)
+            await until_true(none_left(karpenter, name), 60)
+    assert status.generation == 1 and len(claims) == 3, (status.generation, sorted(claims))
+    required = {n: required_zones(c) for n, c in claims.items()}
+    home = next(iter(landed.values()))
+    assert home in ZONES and required == {n: [home] for n in claims}, required
+    assert landed == {n: home for n in claims}, landed
+    assert {n.zone for n in status.nodes if n.rank is not None} == {home}
+    # The worker's Karpenter grant, every verb of it in use and no other (get on its NodePool
+    # for the zones; nodes are listed under infra/k8s/rbac.yaml's node reader).
+    requests = await asyncio.to_thread(cluster.requests, WORKER_SA, mark)
+    assert [r for r in requests if r.code == 403] == []
+    used = {(r.verb, r.resource) for r in requests if r.resource in ("nodeclaims", "nodepools")}
+    assert used == granted(RBAC, "spotrain-nodeclaims")
 
 
 async def test_spot_refused_falls_back_to_on_demand_and_returns_to_spot(
