@@ -57,11 +57,17 @@ SLOW_FOLDERS = ("kube", "chaos", "bench")  # the control plane; whole jobs under
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests of SLOW_FOLDERS are `slow`, with the modules and tests that mark themselves
     so (they take over about 10 s each). `pytest -m "not slow"` is the inner loop, and needs
-    no control plane (docs/development.md)."""
+    no control plane (docs/development.md).
+
+    Files with a slow test run first (each file keeps its order; pytest-xdist's `--dist
+    loadfile` hands files out in this order): a minute-long file dealt last kept the other
+    test processes idle at the end of a run, where quick files now fill the gaps."""
     folders = [Path(__file__).parent / name for name in SLOW_FOLDERS]
     for item in items:
         if any(item.path.is_relative_to(folder) for folder in folders):
             item.add_marker(pytest.mark.slow)
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: files stay whole
 
 
 cpu_at_setup = pytest.StashKey[float]()
