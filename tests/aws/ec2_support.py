@@ -8,20 +8,27 @@ loopback port answers: boto3 still sees real HTTP errors (400 with an EC2 error 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 from moto.ec2 import models
 from moto.ec2.exceptions import EC2ClientError
-from temporalio.testing import ActivityEnvironment
+from temporalio.client import WorkflowHandle
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
+from temporalio.worker import Worker
 from werkzeug.exceptions import HTTPException
 
 from spotrain.activities.ec2 import EC2Provider
 from spotrain.activities.ec2_ownership import find_instances
 from spotrain.workers.embedded.spot_market import terminate_as_reclaimed
+from spotrain.workers.worker import WORKFLOWS
 from spotrain.workflows.contract import LaunchRequest, NodeInfo
+from spotrain.workflows.job.state import JobResult
 from spotrain.workflows.spec import InstanceType, SpotPolicy
+from tests.jobs import fast_runtime
 
 ENV = ActivityEnvironment()
 
@@ -117,3 +124,21 @@ def policy(**kw: Any) -> SpotPolicy:
         "zones": ["us-east-1a", "us-east-1b", "us-east-1c"],
     } | kw
     return SpotPolicy(**fields)
+
+
+@asynccontextmanager
+async def ec2_job(
+    env: WorkflowEnvironment, provider: EC2Provider, spec: dict[str, Any], queue: str
+) -> AsyncIterator[WorkflowHandle[Any, JobResult]]:
+    """A TrainingJob started on a worker with the EC2 provider and the simulated runtime."""
+    with ThreadPoolExecutor(8) as pool:
+        async with Worker(
+            env.client,
+            task_queue=queue,
+            workflows=WORKFLOWS,
+            activities=provider.activities() + fast_runtime().activities(),
+            activity_executor=pool,
+        ):
+            yield await env.client.start_workflow(
+                "TrainingJob", spec, id=spec["name"], task_queue=queue, result_type=JobResult
+            )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -21,19 +20,17 @@ from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.responses import EC2Response
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from spotrain.activities import ec2_placement
 from spotrain.activities.ec2 import EC2Provider
 from spotrain.activities.ec2_ownership import LIVE_STATES, MANAGED, TAG_JOB, find_instances, tags_of
 from spotrain.activities.ec2_placement import group_name, reap_groups, supports_cluster
-from spotrain.workers.worker import WORKFLOWS
 from spotrain.workflows.contract import LaunchRequest, ReleaseRequest
-from spotrain.workflows.job.state import JobResult, JobStatus
+from spotrain.workflows.job.state import JobStatus
 from tests.aws import moto_placement
-from tests.aws.ec2_support import ENV, job_instances, launch, live, spot
+from tests.aws.ec2_support import ENV, ec2_job, job_instances, launch, live, spot
 from tests.aws.test_ec2 import fleet as fleet
-from tests.jobs import fast_runtime, fast_spec, polled
+from tests.jobs import fast_spec, polled
 
 ZONE = "us-east-1b"  # spot()'s
 
@@ -363,31 +360,19 @@ async def test_a_job_with_placement_group_keeps_its_nodes_in_it_and_deletes_it(
         on_demand={"base_nodes": 1},
         placement_group=True,
     )
-    name, queue = spec["name"], f"pg-{spec['name']}"
-    with ThreadPoolExecutor(8) as pool:
-        async with Worker(
-            dev_env.client,
-            task_queue=queue,
-            workflows=WORKFLOWS,
-            activities=provider.activities() + fast_runtime().activities(),
-            activity_executor=pool,
-        ):
-            handle = await dev_env.client.start_workflow(
-                "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
-            )
-            await polled(
-                lambda: handle.query("status", result_type=JobStatus),
-                lambda s: s.phase == "Running" and s.world_size == 3,
-            )
-            mine = [{"Name": f"tag:{TAG_JOB}", "Values": [name]}]
-            running = [
-                i
-                for i in find_instances(provider.client(), mine)
-                if i["State"]["Name"] in LIVE_STATES
-            ]
-            await handle.cancel()
-            with pytest.raises(WorkflowFailureError):
-                await handle.result()
+    name = spec["name"]
+    async with ec2_job(dev_env, provider, spec, f"pg-{name}") as handle:
+        await polled(
+            lambda: handle.query("status", result_type=JobStatus),
+            lambda s: s.phase == "Running" and s.world_size == 3,
+        )
+        mine = [{"Name": f"tag:{TAG_JOB}", "Values": [name]}]
+        running = [
+            i for i in find_instances(provider.client(), mine) if i["State"]["Name"] in LIVE_STATES
+        ]
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
     (zone,) = {i["Placement"]["AvailabilityZone"] for i in running}
     assert len(running) == 3
     assert {i["Placement"]["GroupName"] for i in running} == {group_name(name, zone)}

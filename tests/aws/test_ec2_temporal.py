@@ -4,15 +4,13 @@ recovers a reclaim there and leaks nothing (moto's EC2 server on a loopback port
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from temporalio import workflow
-from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.client import WorkflowFailureError
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.testing import WorkflowEnvironment
@@ -20,12 +18,11 @@ from temporalio.worker import Worker
 
 from spotrain.activities.ec2 import EC2Provider
 from spotrain.activities.ec2_ownership import LIVE_STATES, find_instances
-from spotrain.workers.worker import WORKFLOWS
 from spotrain.workflows import contract
 from spotrain.workflows.contract import DescribeRequest, NodeInfo, Offer, ReleaseRequest
-from spotrain.workflows.job.state import JobResult, JobStatus
-from tests.aws.ec2_support import ENV, ec2_error, inject, live, policy, reclaim, spot
-from tests.jobs import fast_runtime, fast_spec, polled
+from spotrain.workflows.job.state import JobStatus
+from tests.aws.ec2_support import ENV, ec2_error, ec2_job, inject, live, policy, reclaim, spot
+from tests.jobs import fast_spec, polled
 
 # --- through a real Temporal worker ----------------------------------------------------------
 
@@ -101,24 +98,6 @@ async def test_activities_through_temporal(
         "released:1",
     ]
     assert live(provider, job) == []
-
-
-@asynccontextmanager
-async def ec2_job(
-    env: WorkflowEnvironment, provider: EC2Provider, spec: dict[str, Any], queue: str
-) -> AsyncIterator[WorkflowHandle[Any, JobResult]]:
-    """A TrainingJob started on a worker with the EC2 provider and the simulated runtime."""
-    with ThreadPoolExecutor(8) as pool:
-        async with Worker(
-            env.client,
-            task_queue=queue,
-            workflows=WORKFLOWS,
-            activities=provider.activities() + fast_runtime().activities(),
-            activity_executor=pool,
-        ):
-            yield await env.client.start_workflow(
-                "TrainingJob", spec, id=spec["name"], task_queue=queue, result_type=JobResult
-            )
 
 
 @pytest.mark.slow
