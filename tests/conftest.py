@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shutil
@@ -26,7 +25,6 @@ from spotrain.activities.local import Rank
 from spotrain.workers.embedded.binaries import temporal_cli, temporal_test_server
 from spotrain.workflows.job import attributes
 from tests import assert_diff, warm_python
-from tests.durations import FILE_TIMES
 from tests.moto_ec2 import honour_client_tokens
 
 # Hypothesis fails an example that takes over 200 ms, and a test whose examples are slow to
@@ -61,22 +59,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     so (they take over about 10 s each). `pytest -m "not slow"` is the inner loop, and needs
     no control plane (docs/development.md).
 
-    Files with a slow test run first, the longest first by their last measured time
-    (tests/file_times.json; each file keeps its order, and pytest-xdist's `--dist loadfile`
-    hands files out in this order): a minute-long file dealt last kept the other test
-    processes idle at the end of a run, where quick files now fill the gaps."""
+    Files with a slow test run first (each file keeps its order; pytest-xdist's `--dist
+    loadfile` hands files out in this order): a minute-long file dealt last kept the other
+    test processes idle at the end of a run, where quick files now fill the gaps."""
     folders = [Path(__file__).parent / name for name in SLOW_FOLDERS]
     for item in items:
         if any(item.path.is_relative_to(folder) for folder in folders):
             item.add_marker(pytest.mark.slow)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    root = Path(__file__).parent.parent
-    times = json.loads(FILE_TIMES.read_text()) if FILE_TIMES.exists() else {}
-
-    def dealt(item: pytest.Item) -> tuple[bool, float]:
-        return item.path not in slow_files, -times.get(str(item.path.relative_to(root)), 0.0)
-
-    items.sort(key=dealt)  # stable: files stay whole
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: files stay whole
 
 
 cpu_at_setup = pytest.StashKey[float]()

@@ -7,14 +7,9 @@ pytest-xdist's workers spent them; CPU: the test process's and its reaped childr
 from __future__ import annotations
 
 import argparse
-import json
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
-
-# Each test file's worker-seconds in a clean-clone CI run: tests/conftest.py deals the longest
-# first. Refresh with `python -m tests.durations .ci/junit.xml --write tests/file_times.json`.
-FILE_TIMES = Path(__file__).with_name("file_times.json")
 
 
 def durations(report: Path, what: str = "time") -> dict[str, float]:
@@ -37,16 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report", type=Path)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument(
-        "--write", type=Path, help=f"also write each file's worker-seconds here ({FILE_TIMES})"
-    )
     args = parser.parse_args()
-    if args.write:
-        per_file: Counter[str] = Counter()
-        for test, s in durations(args.report).items():
-            per_file[test.split("::")[0]] += s
-        times = {f: round(s, 1) for f, s in sorted(per_file.items())}
-        args.write.write_text(json.dumps(times, indent=0) + "\n")
     for what, unit in (("time", "worker-seconds"), ("cpu_s", "CPU-seconds")):
         seconds = durations(args.report, what)
         by_file: Counter[str] = Counter()
