@@ -158,7 +158,7 @@ async def test_a_zone_bound_job_without_zones_keeps_its_first_nodeclaims_in_one_
             handle = await dev_env.client.start_workflow(
                 "TrainingJob", spec, id=name, task_queue=queue, result_type=JobResult
             )
-            status = await wait_status(handle, lambda s: s.world_size == 3, 60)
+            status = await wait_status(handle, lambda s: s.world_size == 3, 120)
             claims = await asyncio.to_thread(karpenter.claims, f"spotrain.io/job={name}")
             core = client.CoreV1Api(cluster.admin)
             landed = {
