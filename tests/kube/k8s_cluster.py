@@ -577,7 +577,12 @@ def control_plane_or_skip(component: str = "controlplane") -> Path:
 
 
 def main() -> None:
-    """Start a control plane and keep it until Ctrl-C, printing each identity's kubeconfig."""
+    """Start a control plane and keep it until Ctrl-C, printing each identity's kubeconfig.
+    Ctrl-C is heard from the start, before "control plane up" is printed: a background job
+    starts with SIGINT ignored, and a SIGINT sent on that line before the handler was set was
+    lost (the owner slept on; test_no_control_plane_process_outlives_its_owner timed out)."""
+    for stop in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job ignores it
+        signal.signal(stop, signal.default_int_handler)
     with ControlPlane.running(binaries(build=True)) as plane:
         worker = plane.service_account_kubeconfig("spotrain-worker")
         webhook = plane.service_account_kubeconfig("spotrain-webhook")
@@ -588,8 +593,6 @@ def main() -> None:
         print(f"  worker:  KUBECONFIG={worker}")
         print(f"  webhook: KUBECONFIG={webhook}")
         print("Ctrl-C stops etcd, kube-apiserver, kube-scheduler and kwok.", flush=True)
-        for stop in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job ignores it
-            signal.signal(stop, signal.default_int_handler)
         try:
             while True:
                 time.sleep(3600)
