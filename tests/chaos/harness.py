@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -64,6 +63,24 @@ Handle = WorkflowHandle[Any, Any]
 _SA_TYPES = {"KEYWORD": "Keyword", "INT": "Int", "DOUBLE": "Double", "KEYWORD_LIST": "KeywordList"}
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` itself listens on loopback TCP `port`. A connection that opens
+    proves only that some process does: after a restart another test's server may hold it."""
+    mine: set[str] = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):  # (closed since listed, as the listing's own)
+                mine.add(os.readlink(fd))
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                ours = f"socket:[{inode}]" in mine
+                if ours and state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
 class TemporalServer:
     """`temporal server start-dev` on fixed ports with an SQLite file: kill -9 and restart."""
 
@@ -90,14 +107,10 @@ class TemporalServer:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError as err:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"dev server did not start: see {self.log}") from err
-                time.sleep(0.2)
+        while not listens(self.proc.pid, self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"dev server did not start: see {self.log}")
+            time.sleep(0.2)
 
     def kill(self) -> None:
         """SIGKILL: no shutdown, whatever was in flight is lost but what SQLite committed."""

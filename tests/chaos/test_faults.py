@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import random
+import socket
 import sys
 from typing import Any
 
@@ -23,6 +24,7 @@ from tests.chaos.harness import (
     Figures,
     WorkerProcess,
     check_job,
+    listens,
     member,
     memberships,
     reclaim,
@@ -72,6 +74,18 @@ def finish(fig: Figures, result: Any, scenario: str) -> Figures:
     return fig
 
 
+def test_a_port_is_told_to_be_held_by_its_own_process() -> None:
+    """The restarted server's wait: a listener on its port is not enough, it must be its own
+    (another process may take the port while the server is down)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        assert not listens(os.getpid(), port)  # bound, not listening
+        listener.listen()
+        assert listens(os.getpid(), port)
+        assert not listens(os.getppid(), port)  # another process
+
+
 async def test_server_killed_and_restarted_mid_resize(chaos_env: ChaosEnv) -> None:
     """SIGKILL the dev server while a reclaim resize is in flight (ranks take 2 s to ack);
     restarted from its SQLite file, it carries the job through the rest of the cycle."""
@@ -87,6 +101,7 @@ async def test_server_killed_and_restarted_mid_resize(chaos_env: ChaosEnv) -> No
     env.server.kill()
     await asyncio.sleep(1)
     env.server.start()
+    await env.server.client()  # the restarted frontend serves the namespace again
     result, _ = await supervise(env, handle, worker, replaced(victim))
     await record_history(handle, "chaos_server_restart")
     fig = check_job(env, job, plans=CYCLE_PLANS, sizes_from=before.generation)
