@@ -22,10 +22,11 @@ from tests.jobs import leftover_processes
 pytest.importorskip("torch")
 
 # Enough that the job grows back before it ends: live resizes cost well under a second, so
-# 600 steps could finish at the shrunk size while the replacement's scaling timeout runs.
+# 600 steps could finish at the shrunk size while the replacement's scaling timeout runs. 900
+# leave 630 steps after the notice (about 25 s quiet) for a growth that took 5 s quiet.
 pytestmark = pytest.mark.slow
 
-STEPS = 1200
+STEPS = 900
 
 
 def steps_by_generation(record: Path) -> dict[int, list[dict]]:
