@@ -414,6 +414,13 @@ PLACEMENT_BREAKS = [
         PLC("test_a_pool_found_empty_is_left_out_for_a_while"),
     ),
     Break(
+        "a job that may span zones fills the zone it holds most in",
+        PL,
+        "fitting.sort(key=lambda p: (gpus[p[0]], -in_zone[p[1]]))",
+        "fitting.sort(key=lambda p: (gpus[p[0]], in_zone[p[1]]))",
+        PLT("test_spot_pools_that_fill_zones_buy_where_the_job_holds_most"),
+    ),
+    Break(
         "every crossing link is billed",
         LO,
         "across_zones = sum(1 for a, b in links if a != b)",

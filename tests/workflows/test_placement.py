@@ -171,9 +171,10 @@ async def test_a_job_stays_in_one_zone_and_any_spans_them_paying_for_the_bytes(
     ts_env: WorkflowEnvironment,
 ) -> None:
     """Zone a can give 2 nodes, zone b plenty. `placement: zone` trains at 2 in zone a
-    rather than spread; `any` spreads over both and pays for every gradient byte that
-    crosses. Its nodes, bought pool by pool, take slots a b a b; ranked zone by zone (a a b b)
-    its ring crosses on 2 links, not 4: 2 x 0.6 GB a step at 3,600 steps."""
+    rather than spread; `any` fills zone a, spills into b and pays for every gradient byte
+    that crosses. Ranked zone by zone (a a b b) its ring crosses on 2 links: 2 x 0.6 GB a
+    step at 3,600 steps. (Before the patch spanning-jobs-fill-zones its nodes went pool by
+    pool, a b a b, to the same count and rank order.)"""
     cloud = SimulatedCloud(capacity=lambda _t, zone, _w: 2 if zone == "us-east-1a" else 99)
     async with simulated(ts_env.client, cloud=cloud) as sim:
         kept = await (await sim.start(job_spec(gradient_bytes=G))).result()
@@ -199,6 +200,22 @@ async def test_a_job_stays_in_one_zone_and_any_spans_them_paying_for_the_bytes(
     shown = console.file.getvalue()  # type: ignore[attr-defined]
     usd = re.escape(f"${spanned.transfer.cost:,.2f}")
     assert re.search(rf"across zones\s*│\s*4,320.0 GB\s*│\s*{usd}", shown), shown
+
+
+async def test_a_job_that_may_span_zones_keeps_to_one_while_it_has_capacity(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """Both zones give plenty: `placement: any` buys all 4 nodes in one zone (spread over
+    zones, each step's ring would cross them, billed per byte) and pays no transfer."""
+    cloud = SimulatedCloud(capacity=lambda _t, _zone, _w: 99)
+    async with simulated(ts_env.client, cloud=cloud) as sim:
+        handle = await sim.start(job_spec(gradient_bytes=G, placement="any", total_steps=600))
+        result = await handle.result()
+        await record_history(handle, "spanning_fills_zones")  # (patch spanning-jobs-fill-zones)
+    assert result.phase == "Succeeded"
+    launched = [n.zone for n in cloud.launches]
+    assert len(launched) == 4 and len(set(launched)) == 1, launched
+    assert result.transfer.zone_gb == 0 and result.transfer.cost == 0
 
 
 async def test_a_job_whose_zone_runs_dry_hops_to_one_that_serves(

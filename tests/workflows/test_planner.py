@@ -179,8 +179,45 @@ def test_spot_pools_fit_the_share_snuggest_first_and_spread(
         assert [GPUS[p[0]] for p in ranked[1:]] == sorted(GPUS[p[0]] for p in ranked[1:])
 
 
+@given(
+    offers=pools_strategy,
+    need=st.integers(0, 8),
+    held=st.dictionaries(
+        st.tuples(st.sampled_from(["g1", "g4", "g8"]), st.sampled_from(["za", "zb", "zc"])),
+        st.integers(0, 5),
+    ),
+)
+def test_spot_pools_that_fill_zones_buy_where_the_job_holds_most(
+    offers: list[tuple[str, str]], need: int, held: dict[tuple[str, str], int]
+) -> None:
+    ranked = planner.spot_pools(offers, GPUS, need, held, fill_zones=True)
+    fitting = [p for p in offers if GPUS[p[0]] >= need]
+    assert sorted(ranked) == sorted(fitting)
+    if ranked:
+        in_zone = {z: sum(n for (_, zone), n in held.items() if zone == z) for _, z in offers}
+        snug = min(GPUS[p[0]] for p in fitting)
+        first = ranked[0]
+        assert GPUS[first[0]] == snug
+        same_shape = [p for p in fitting if GPUS[p[0]] == snug]
+        assert in_zone[first[1]] == max(in_zone[p[1]] for p in same_shape)  # the fullest zone
+        there = [p for p in same_shape if p[1] == first[1]]
+        assert held.get(first, 0) == min(held.get(p, 0) for p in there)  # spread inside it
+        rest = [(GPUS[p[0]], -in_zone[p[1]]) for p in ranked[1:]]
+        assert rest == sorted(rest)  # falls over to the next fullest zones
+
+
 def test_spot_pools_example() -> None:
     offers = [("g8", "za"), ("g4", "za"), ("g4", "zb"), ("g1", "zc")]
     held = {("g4", "za"): 2}
     assert planner.spot_pools(offers, GPUS, 3, held) == [("g4", "zb"), ("g4", "za"), ("g8", "za")]
     assert planner.spot_pools(offers, GPUS, 9, held) == []
+    # A job that may span zones fills the zone it holds most in: za, where g4 holds 2.
+    assert planner.spot_pools(offers, GPUS, 3, held, fill_zones=True) == [
+        ("g4", "za"),
+        ("g4", "zb"),
+        ("g8", "za"),
+    ]
+    assert planner.spot_pools(offers, GPUS, 1, {("g1", "zc"): 1}, fill_zones=True)[0] == (
+        "g1",
+        "zc",
+    )

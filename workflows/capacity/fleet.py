@@ -71,7 +71,11 @@ class Fleet:
         if where is None:
             where = orders.Placed(None, await self.find_offers())
         offers = make_before_break.away_from_warned(s, where.offers)
-        plan = orders.spot_orders(s, offers, short, held, spot_only=spot_only, home=where.home)
+        # (before the patch a job that may span zones spread over them all)
+        fill = placement != "zone" and workflow.patched("spanning-jobs-fill-zones")
+        plan = orders.spot_orders(
+            s, offers, short, held, spot_only=spot_only, home=where.home, fill_zones=fill
+        )
         for order in plan.orders:
             self._order(order)
         s.owed = plan.owed

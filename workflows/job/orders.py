@@ -182,11 +182,12 @@ def spot_orders(
     *,
     spot_only: bool,
     home: str | None = None,
+    fill_zones: bool = False,
 ) -> SpotOrders:
     """`short` more nodes: spot in the snuggest pool that fits each node's share, spread over
-    pools; failing that, on-demand (in `home`, the job's zone) for the nodes the job is owed,
-    within the on-demand room (never with `spot_only`, the opportunistic growth); else wait
-    for capacity."""
+    pools (with `fill_zones`, in the zones the job holds most in first); failing that,
+    on-demand (in `home`, the job's zone) for the nodes the job is owed, within the on-demand
+    room (never with `spot_only`, the opportunistic growth); else wait for capacity."""
     gpus = {t.name: t.gpus for t in state.spec.spot.instance_types}
     held = Counter(held)
     procs = [n.procs for n in state.nodes if n.alive]
@@ -198,7 +199,7 @@ def spot_orders(
     for i in range(short):
         share, p = need(state.spec, procs)
         od_ok = not spot_only and (deadline_od or (owed > 0 and room > 0))
-        ranked = planner.spot_pools(pools, gpus, share, held)
+        ranked = planner.spot_pools(pools, gpus, share, held, fill_zones=fill_zones)
         if ranked:
             held[ranked[0]] += 1
             orders.append(

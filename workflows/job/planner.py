@@ -6,6 +6,7 @@ sandbox, deterministic under replay, and exhaustively property-tested.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -102,16 +103,27 @@ def spot_pools(
     gpus: dict[str, int],
     need: int,
     held: dict[tuple[str, str], int],
+    *,
+    fill_zones: bool = False,
 ) -> list[tuple[str, str]]:
     """Where to buy the next spot node, best first ([]: nowhere, fall back or wait).
 
     Only pools whose shape holds the node's share of GPUs (`need`); the snuggest shape first
     (fewest idle GPUs); among pools of that shape the one holding fewest of the job's nodes
-    first (diversified over zones); then every other fitting pool, to fall over to."""
+    first (diversified over pools); then every other fitting pool, to fall over to. With
+    `fill_zones` (a job that may span zones), pools in the zones holding most of the job's
+    nodes come first, so that each step's ring crosses as few zones as the capacity allows;
+    the other zones' pools are where it falls over to once those run out."""
     fitting = sorted((p for p in offers if gpus[p[0]] >= need), key=lambda p: gpus[p[0]])
     if not fitting:
         return []
-    snug = [p for p in fitting if gpus[p[0]] == gpus[fitting[0][0]]]
+    if fill_zones:
+        in_zone = Counter[str]()
+        for (_, zone), count in held.items():
+            in_zone[zone] += count
+        fitting.sort(key=lambda p: (gpus[p[0]], -in_zone[p[1]]))  # (stable: offer order)
+    shape, zone = gpus[fitting[0][0]], fitting[0][1]
+    snug = [p for p in fitting if gpus[p[0]] == shape and (not fill_zones or p[1] == zone)]
     (pick,) = diversify(snug, held, 1)
     return [pick, *(p for p in fitting if p != pick)]
 
