@@ -3,6 +3,7 @@ arguments, environment, streams, exit code and signals, and never outlives its c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -107,6 +108,36 @@ def test_sigterm_reaches_the_rank_and_a_killed_client_takes_it_along(tmp_path: P
         for started in clients:
             started.kill()
             started.wait()
+
+
+def test_a_signal_around_the_ranks_exit_does_not_change_its_exit_code(tmp_path: Path) -> None:
+    """A rank that stops on SIGTERM and exits 0, while SIGTERMs keep coming (torchrun's
+    wrapper sends one, the agent may send more): its client exits 0 as the rank did, never
+    dies of a SIGTERM that came after the rank's end, nor of forwarding one to it."""
+    code = """if True:
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        open(sys.argv[1], "w").write("up")
+        time.sleep(60)
+    """
+    codes = []
+    for attempt in range(20):
+        up = tmp_path / f"up-{attempt}"
+        client = subprocess.Popen([*WARM_PYTHON, "-c", code, str(up)])
+        try:
+            deadline = time.monotonic() + 60
+            while not up.exists():
+                assert time.monotonic() < deadline and client.poll() is None
+                time.sleep(0.02)
+            while client.poll() is None:  # until it has exited, a SIGTERM every 0.2 ms
+                with contextlib.suppress(ProcessLookupError):
+                    client.send_signal(signal.SIGTERM)
+                time.sleep(0.0002)
+            codes.append(client.wait())
+        finally:
+            client.kill()
+            client.wait()
+    assert codes == [0] * 20
 
 
 def _state(pid: int) -> str:

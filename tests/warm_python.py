@@ -69,8 +69,13 @@ def client(argv: list[str]) -> int:
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     data = conn.recv(MAX_MESSAGE)  # the child's pid, from the child
     if data and "pid" in (first := json.loads(data)):
+
+        def forward(signum: int, _frame: object) -> None:
+            with contextlib.suppress(ProcessLookupError):  # (it has just ended)
+                os.kill(first["pid"], signum)
+
         for signum in FORWARDED:
-            signal.signal(signum, lambda s, _f: os.kill(first["pid"], s))
+            signal.signal(signum, forward)
         data = conn.recv(MAX_MESSAGE)  # its exit code or signal, from the server
     if not data:
         print("warm_python: the server went before the child reported", file=sys.stderr)
@@ -78,7 +83,10 @@ def client(argv: list[str]) -> int:
     code = json.loads(data)["exit"]
     if code < 0:  # die as the child died, so whoever waits on us sees the same signal
         _die_of(-code)
-    return code
+    # At once, as the child did: at the interpreter's exit a forwarded signal's handler is
+    # gone (CPython restores SIG_DFL), and a SIGTERM then would kill us after a child that
+    # exited 0 (a torchrun worker's exit -15, once, in a clean-clone run beside heavy load).
+    os._exit(code)
 
 
 def _die_of(signum: int) -> None:
