@@ -48,7 +48,7 @@ from spotrain.workflows.job.state import JobResult, JobStatus
 
 from .common import REPO, publish, table
 from .goodput_args import parse_args
-from .goodput_harness import RowLog, RunFn, Wedged, on_fresh_server
+from .goodput_harness import RowLog, RunFn, Wedged, check_not_skipped, on_fresh_server
 from .goodput_live import lognormal_boot, measured_live_pauses
 from .goodput_model import (
     COLUMNS,
@@ -57,6 +57,7 @@ from .goodput_model import (
     all_on_demand,
     fixed_at_available,
     fixed_restart,
+    no_capacity,
     one_zone_baselines,
     oracle,
     plot,
@@ -136,13 +137,17 @@ class Run:
         return (await self.env.get_current_time() - self.t0).total_seconds()
 
     async def sleep_until(self, offset: float) -> None:
-        """Skip server time to `offset`. A sleep the SDK times out (CANCELLED) is retried
-        while server time still moves; the test server wedged on a workflow task ("invalid
-        history builder state for action") moves it no more: that raises `Wedged`."""
+        """Skip server time to `offset`, a tick at a time: while a sleep skips, the test
+        server may skip over a workflow task left pending (after workflow tasks timed out on
+        a starved worker), and the task starts only once the sleep ends; one long sleep to
+        the next drop left a 1-node job unseen for hours (`goodput_harness.skipped_over`). A
+        sleep the SDK times out (CANCELLED) is retried while server time still moves; the
+        test server wedged on a workflow task ("invalid history builder state for action")
+        moves it no more: that raises `Wedged`."""
         stuck = 0
         while (wait := offset - (before := await self.elapsed_s())) > 0:
             try:
-                await self.env.sleep(wait)
+                await self.env.sleep(min(wait, self.setup.tick_s))
             except RPCError as err:
                 if err.status != RPCStatusCode.CANCELLED:  # how the SDK reports its timeout
                     raise
@@ -266,13 +271,15 @@ class Run:
     async def finish(self, handle: WorkflowHandle[Any, JobResult]) -> tuple[JobResult, float]:
         """The job's result and its wall time in hours of server time. A job that closed
         long after its work completed sat on a wedged workflow task while the benchmark
-        skipped time: `Wedged` (its wall time would be the server's, not the job's)."""
+        skipped time, and one whose history shows a workflow task skipped over sat unseen
+        for a while: `Wedged` (its wall time would be the server's, not the job's)."""
         result = await handle.result()
         desc = await handle.describe()
         assert desc.close_time is not None
         done = max((e.time for e in result.timeline if e.event == "completed"), default=None)
         if done is not None and (desc.close_time - done).total_seconds() > 2 * self.setup.tick_s:
             raise Wedged(f"closed {desc.close_time - done} after completing")
+        await check_not_skipped(self.env.client, handle.id, handle.first_execution_run_id)
         return result, (desc.close_time - self.t0).total_seconds() / 3600
 
     def row(self, policy: str, wall_h: float, result: JobResult, began: float) -> Row:
@@ -474,7 +481,7 @@ async def benchmark(
     ]
     log = log or RowLog(None)
     for row in rows:
-        log.write(row.report(setup, rows[0].wall_h, rows[0].idle()))
+        log.write(row.report(setup, rows[0].wall_h, no_capacity(setup, row.wall_h)))
     for mode in modes:
         at = replace(setup, resize=mode)
         for policy, run in spotrain_runs(at, deadline, mbb, only):
@@ -484,7 +491,7 @@ async def benchmark(
                 log.abandon(name)
                 continue
             row.policy = name
-            log.write(row.report(setup, rows[0].wall_h, rows[0].idle()))
+            log.write(row.report(setup, rows[0].wall_h, no_capacity(setup, row.wall_h)))
             rows.append(row)
     return rows
 
@@ -520,7 +527,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "prices": [vars(p) for p in args.prices],  # per trace: what its nodes cost, and why
         "load_average": os.getloadavg(),
-        "rows": [r.report(setup, oracle_h, rows[0].idle()) for r in rows],
+        "rows": [r.report(setup, oracle_h, no_capacity(setup, r.wall_h)) for r in rows],
         "abandoned": log.abandoned,
         "deadline_sweep": sweep,
         "bench_s": time.monotonic() - began,

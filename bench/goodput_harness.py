@@ -15,6 +15,13 @@ machine, which wants CPU it does not get, is not taken for a wedged one. A worki
 one or the other: it skips hours of server time a second, or it computes (or waits to).
 A wedged run is abandoned and retried on a fresh server; a policy wedged every time is
 reported as abandoned and the benchmark goes on with the next.
+
+It can also skip time over a workflow task: after workflow tasks timed out on a CPU-starved
+worker, the task scheduled next waited, unstarted, while the server skipped to the
+benchmark's next event (15 h and 50 h later in two 1-node runs), and the simulated job
+trained on unseen: its completion, or a node on offer, went unnoticed that long. Such a run
+moves time and CPU as a working one does; its history shows it (`skipped_over`), and it is
+retried as a wedged one is.
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.client import Client
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
@@ -41,6 +51,9 @@ STILL_CPU = 0.15  # CPU asked for (used or waited for), in cores, that counts as
 SKIPPING = 10.0  # server seconds per real second, over `wedge_s`, that count as skipping
 CANCEL_WAIT_S = 10.0  # how long an abandoned run gets to unwind before the server goes
 SEEN = 12  # watchdog samples printed when a run passes its timeout
+# a workflow task that waited longer than this in server time to start was skipped over (a
+# working one starts within real seconds: the server does not skip while one is pending)
+STALE_TASK_S = 60.0
 
 RunFn = Callable[[WorkflowEnvironment], Awaitable[Row]]
 
@@ -136,6 +149,37 @@ async def watched(env: WorkflowEnvironment, run: Awaitable[Row], wedge_s: float)
         print(f"run timed out; the watchdog's last samples: {'; '.join(seen)}", file=sys.stderr)
         task.cancel()
         raise
+
+
+def skipped_over(events: Iterable[HistoryEvent]) -> str | None:
+    """Why a run's history shows the test server skipping time over a pending workflow task
+    (one that started more than `STALE_TASK_S` of server time after it was scheduled), or
+    None."""
+    scheduled: datetime | None = None
+    for e in events:
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
+            scheduled = e.event_time.ToDatetime()
+        elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED and scheduled:
+            waited = (e.event_time.ToDatetime() - scheduled).total_seconds()
+            if waited > STALE_TASK_S:
+                return (
+                    f"workflow task {e.event_id} waited {waited:.0f} s of server time to start: "
+                    "the server skipped time over it"
+                )
+    return None
+
+
+async def check_not_skipped(client: Client, workflow_id: str, first_run_id: str | None) -> None:
+    """`Wedged` if any run of the workflow's chain (continue-as-new) was skipped over."""
+    run_id = first_run_id
+    while run_id:
+        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        if why := skipped_over(history.events):
+            raise Wedged(why)
+        last = history.events[-1]
+        attrs = last.workflow_execution_continued_as_new_event_attributes
+        continued = last.HasField("workflow_execution_continued_as_new_event_attributes")
+        run_id = attrs.new_execution_run_id if continued else None
 
 
 async def on_fresh_server(setup: Setup, policy: str, run: RunFn) -> Row | None:

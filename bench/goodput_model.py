@@ -254,8 +254,8 @@ class Row:
     def report(
         self, setup: Setup, oracle_wall_h: float, no_capacity: Sequence[tuple[float, float]] = ()
     ) -> dict[str, Any]:
-        """The row's columns; `no_capacity`: the spans the trace offered no node (the oracle's
-        idle spans), left out of the second pause figure."""
+        """The row's columns; `no_capacity`: the spans the trace offered no node (`no_capacity`
+        up to at least this row's end), left out of the second pause figure."""
         cost = self.spot_node_h * setup.spot_price + self.on_demand_node_h * setup.on_demand_price
         od = setup.on_demand_hours() * setup.max_nodes * setup.on_demand_price
         return {
@@ -294,6 +294,25 @@ class Row:
 def overlap_h(spans: Sequence[tuple[float, float]], others: Sequence[tuple[float, float]]) -> float:
     """Total length of the intersection of two sets of disjoint spans."""
     return sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in others)
+
+
+def no_capacity(setup: Setup, until_h: float) -> list[tuple[float, float]]:
+    """(from h, to h) spans up to `until_h` when the traces offered no node at all, read from
+    the traces themselves. (The oracle's idle spans, used before, end where the oracle
+    finishes: a row that ran on past it had every later hour counted as one with capacity,
+    so a 1-node trace's hours-long outages read as pauses spotrain chose.)"""
+    spans: list[tuple[float, float]] = []
+    for start, end, avail in setup.segments():
+        if start >= until_h * 3600:
+            break
+        if avail > 0:
+            continue
+        a, b = start / 3600, min(end / 3600, until_h)
+        if spans and spans[-1][1] == a:
+            spans[-1] = (spans[-1][0], b)
+        else:
+            spans.append((a, b))
+    return spans
 
 
 # --- baselines: pure-Python models over the same trace and progress model -------------------

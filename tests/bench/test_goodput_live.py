@@ -1,6 +1,7 @@
 """The goodput benchmark's model of what resizes and launches cost: the measured-figure
-readers, the hand-over's scaling with state size, the boot delays, the pause figure that
-leaves out hours with no capacity, and the simulated runtime's two resize modes."""
+readers, the hand-over's scaling with state size, the boot delays (and a boot waited out once
+on the time-skipping server), the pause figure that leaves out hours with no capacity, and
+the simulated runtime's two resize modes."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from temporalio.exceptions import ApplicationError
 
 from bench import goodput_live
-from bench.goodput_model import Row, overlap_h
+from bench.common import Trace
+from bench.goodput_model import Row, Setup, no_capacity, overlap_h
 from spotrain.activities import simulated
-from spotrain.activities.simulated import LivePauses, SimulatedRuntime
-from spotrain.workflows.contract import GenerationPlan, Member, StopRequest
+from spotrain.activities.simulated import LivePauses, SimulatedCloud, SimulatedRuntime
+from spotrain.workflows.contract import GenerationPlan, LaunchRequest, Member, StopRequest
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -104,6 +107,50 @@ def test_pause_leaves_out_the_hours_with_no_capacity() -> None:
     assert row.pause_h() == pytest.approx(2.1)
     assert row.pause_h([(1.5, 2.5)]) == pytest.approx(1.1)
     assert overlap_h([(0, 1), (2, 3)], [(0.5, 2.5)]) == pytest.approx(1.0)
+
+
+def test_no_capacity_is_read_from_the_trace_past_the_oracles_end() -> None:
+    """The hours with no node on offer come from the trace over the whole run, not from the
+    oracle's idle spans, which end where the oracle finishes (3.5 h here): a row that ran on
+    had a later outage counted as a pause it chose."""
+    trace = Trace(zone="us-test-1a", gap_s=3600, data=(1, 0, 0, 1))  # repeats every 4 h
+    setup = Setup(traces=[trace], max_nodes=1, work_node_hours=1.5, boot_median_s=0)
+    assert no_capacity(setup, 7.5) == [(1.0, 3.0), (5.0, 7.0)]
+    assert no_capacity(setup, 6.0) == [(1.0, 3.0), (5.0, 6.0)]
+    # idle through both outages, running whenever a node was on offer
+    series = [(0.0, 1), (1.0, 0), (3.0, 1), (5.0, 0), (7.0, 1)]
+    row = Row("p", "workflow", 7.5, 3.5, 0.0, reclaims=2, series=series)
+    report = row.report(setup, 3.5, no_capacity(setup, row.wall_h))
+    assert report["pause_s_per_reclaim_with_capacity"] == 0.0
+    assert report["pause_s_per_reclaim"] == pytest.approx(3600 * 4 / 2)
+
+
+def test_a_boot_is_waited_out_once_when_the_retry_reads_the_failed_attempts_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """launch_node fails (retryably) while its node boots, with a retry due when the boot
+    ends. The time-skipping test server runs that retry on time but reports its scheduled
+    time as when the attempt before failed: read as now, the node still booted and the job
+    waited a second boot (issue 48: a 1-node job paid every boot twice)."""
+    clock = Clock(monkeypatch)
+    cloud = SimulatedCloud(zones=["us-test-1a"], boot_s=lambda: 300.0)
+    req = LaunchRequest(
+        job="j", slot=0, attempt=0, generation=0, lifecycle="spot", instance_type="p3.2xlarge"
+    )
+    with pytest.raises(ApplicationError) as booting:
+        cloud.launch_node(req)
+    assert booting.value.next_retry_delay == timedelta(seconds=300)
+    clock.skip(0.005)  # the retry, 300 s later, as the time-skipping server reports it
+    node = cloud.launch_node(req)
+    assert node.state == "ready"
+    assert cloud.boot_hours["spot"] == pytest.approx(300 / 3600)  # billed once
+    # a server that reports the retry's own time: the same
+    clock, cloud = Clock(monkeypatch), SimulatedCloud(zones=["us-test-1a"], boot_s=lambda: 300.0)
+    with pytest.raises(ApplicationError):
+        cloud.launch_node(req)
+    clock.skip(300)
+    assert cloud.launch_node(req).state == "ready"
+    assert cloud.boot_hours["spot"] == pytest.approx(300 / 3600)
 
 
 # --- the simulated runtime's resize modes ------------------------------------------------------
