@@ -153,17 +153,14 @@ pools_strategy = st.lists(
     unique=True,
     max_size=9,
 )
+held_strategy = st.dictionaries(
+    st.tuples(st.sampled_from(["g1", "g4", "g8"]), st.sampled_from(["za", "zb", "zc"])),
+    st.integers(0, 5),
+)
 GPUS = {"g1": 1, "g4": 4, "g8": 8}
 
 
-@given(
-    offers=pools_strategy,
-    need=st.integers(0, 8),
-    held=st.dictionaries(
-        st.tuples(st.sampled_from(["g1", "g4", "g8"]), st.sampled_from(["za", "zb", "zc"])),
-        st.integers(0, 5),
-    ),
-)
+@given(offers=pools_strategy, need=st.integers(0, 8), held=held_strategy)
 def test_spot_pools_fit_the_share_snuggest_first_and_spread(
     offers: list[tuple[str, str]], need: int, held: dict[tuple[str, str], int]
 ) -> None:
@@ -179,14 +176,7 @@ def test_spot_pools_fit_the_share_snuggest_first_and_spread(
         assert [GPUS[p[0]] for p in ranked[1:]] == sorted(GPUS[p[0]] for p in ranked[1:])
 
 
-@given(
-    offers=pools_strategy,
-    need=st.integers(0, 8),
-    held=st.dictionaries(
-        st.tuples(st.sampled_from(["g1", "g4", "g8"]), st.sampled_from(["za", "zb", "zc"])),
-        st.integers(0, 5),
-    ),
-)
+@given(offers=pools_strategy, need=st.integers(0, 8), held=held_strategy)
 def test_spot_pools_that_fill_zones_buy_where_the_job_holds_most(
     offers: list[tuple[str, str]], need: int, held: dict[tuple[str, str], int]
 ) -> None:
