@@ -91,12 +91,18 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     """Each test's CPU (setup, call and teardown; a shared server's start counts for the first
-    test that asks for it, and its end for the test process's last) as the JUnit property
-    `cpu_s`, which `python -m tests.durations` sums up beside the wall time."""
+    test that asks for it) as the JUnit property `cpu_s`, which `python -m tests.durations`
+    sums up beside the wall time. The test process's last teardown also ends its shared
+    servers, reaping their CPU and their forks' for the whole run: that goes apart, as
+    `session_end_cpu_s`, not to the test that happened to be last."""
+    before = cpu_s()
     try:
         return (yield)
     finally:
-        item.user_properties.append(("cpu_s", round(cpu_s() - item.stash[cpu_at_setup], 2)))
+        end = cpu_s() if nextitem is not None else before
+        item.user_properties.append(("cpu_s", round(end - item.stash[cpu_at_setup], 2)))
+        if nextitem is None:
+            item.user_properties.append(("session_end_cpu_s", round(cpu_s() - before, 2)))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

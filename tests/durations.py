@@ -2,7 +2,8 @@
 JUnit report `.ci/run` writes and prints the worker-seconds and CPU-seconds by folder and by
 file, and the slowest and costliest tests (call, setup and teardown together, as
 pytest-xdist's workers spent them; CPU: the test process's and its reaped children's, the
-`cpu_s` property tests/conftest.py records)."""
+`cpu_s` property tests/conftest.py records, and apart what each test process reaped at its
+end)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def main() -> None:
         print(f"\ntests, most {unit} first")
         for test, s in sorted(seconds.items(), key=lambda kv: -kv[1])[: args.top]:
             print(f"{s:8.1f} s  {test}")
+    ends = sum(durations(args.report, "session_end_cpu_s").values())
+    print(f"\n{ends:8.0f} CPU-seconds at the test processes' ends: the shared servers and")
+    print("         the warm forks they reaped, for the whole run (in no test above)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ the tests that use it, and a long wait on the time-skipping server is not cut of
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +21,7 @@ from temporalio.service import KeepAliveConfig, RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from tests.assert_diff import MAX_RUNS
+from tests.durations import durations
 from tests.jobs import unpinged_client
 
 
@@ -101,3 +105,38 @@ async def test_a_long_silent_call_to_the_time_skipping_server_survives(
     started = time.monotonic()
     await quiet.test_service.sleep(wait, timeout=timedelta(seconds=30))
     assert time.monotonic() - started >= 3.9
+
+
+REAPS_AT_THE_END = """
+import subprocess, sys
+
+import pytest
+
+from tests.conftest import pytest_runtest_setup, pytest_runtest_teardown
+
+
+@pytest.fixture(scope="session")
+def server():
+    yield
+    subprocess.run([sys.executable, "-c", "sum(range(60_000_000))"], check=True)
+"""
+
+
+def test_the_cpu_reaped_at_a_test_process_end_is_no_tests(tmp_path: Path) -> None:
+    """The last test's teardown ends the shared servers and reaps a whole run's CPU: that is
+    recorded apart (`session_end_cpu_s`), not as the last test's `cpu_s`."""
+    (tmp_path / "conftest.py").write_text(REAPS_AT_THE_END)
+    tests = "def test_a(server):\n    pass\n\n\ndef test_b():\n    pass\n"
+    (tmp_path / "test_two.py").write_text(tests)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--junitxml=report.xml"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-2000:]
+    cpu = durations(tmp_path / "report.xml", "cpu_s")
+    ends = durations(tmp_path / "report.xml", "session_end_cpu_s")
+    assert len(cpu) == 2 and max(cpu.values()) < 0.3 < sum(ends.values()), (cpu, ends)
