@@ -195,8 +195,8 @@ class KarpenterNodes:
 
     @contextmanager
     def serving(self) -> Iterator[KarpenterNodes]:
-        # (every 0.2 s, as the kubelet stand-in: each round lists every node, and at 0.05 s
-        # these rounds were 36 s of a full run's CPU, besides the apiserver's)
+        # (every 0.2 s, as the kubelet stand-in: each round lists every node, and Karpenter's
+        # own loops take seconds, so 20 rounds a second only loaded the apiserver)
         with syncing(self.sync, 0.2, "Karpenter nodes' stand-in"):
             yield self
 
