@@ -425,6 +425,10 @@ class TrainingJob(TrainingJobHandlers):
                 s.inbox.append(events.Lost(node_id=info.node_id))
         if s.spec.deadline is not None and workflow.patched("deadline-policy"):
             deadline_hooks.check(s, self._now())
+        if workflow.patched("hops-that-pay"):  # (before it, only a job short of min hopped)
+            await self.fleet.hop_if_it_pays(
+                lambda why: self._resize(reason="zone hop", detail=why, resize=False)
+            )
         check = job_planner.capacity_check(s, launching=bool(self.fleet.launches))
         if check is None:
             return

@@ -171,10 +171,12 @@ async def test_a_job_stays_in_one_zone_and_any_spans_them_paying_for_the_bytes(
     ts_env: WorkflowEnvironment,
 ) -> None:
     """Zone a can give 2 nodes, zone b plenty. `placement: zone` trains at 2 in zone a
-    rather than spread; `any` fills zone a, spills into b and pays for every gradient byte
-    that crosses. Ranked zone by zone (a a b b) its ring crosses on 2 links: 2 x 0.6 GB a
-    step at 3,600 steps. (Before the patch spanning-jobs-fill-zones its nodes went pool by
-    pool, a b a b, to the same count and rank order.)"""
+    rather than spread (2 spot, 2 on-demand fallback), then moves whole to b, where spot
+    gives it all 4 (the patch hops-that-pay: the move pays); `any` fills zone a, spills
+    into b and pays for every gradient byte that crosses. Ranked zone by zone (a a b b) its
+    ring crosses on 2 links: 2 x 0.6 GB a step at 3,600 steps. (Before the patch
+    spanning-jobs-fill-zones its nodes went pool by pool, a b a b, to the same count and rank
+    order.)"""
     cloud = SimulatedCloud(capacity=lambda _t, zone, _w: 2 if zone == "us-east-1a" else 99)
     async with simulated(ts_env.client, cloud=cloud) as sim:
         kept = await (await sim.start(job_spec(gradient_bytes=G))).result()
@@ -183,8 +185,10 @@ async def test_a_job_stays_in_one_zone_and_any_spans_them_paying_for_the_bytes(
         spanned = await handle.result()
         await record_history(handle, "zone_grouped_ranks")  # (patch zone-grouped-ranks)
     assert kept.phase == spanned.phase == "Succeeded"
-    kept_zones = {n.zone for n in cloud.launches if n.job == kept.name}
-    assert kept_zones == {"us-east-1a"} and kept.transfer.zone_gb == 0
+    kept_zones = [(n.lifecycle, n.zone) for n in cloud.launches if n.job == kept.name]
+    a, b = "us-east-1a", "us-east-1b"  # in a: its on-demand fallback too, then 4 spot in b
+    assert kept_zones == [("spot", a)] * 2 + [("on-demand", a)] * 2 + [("spot", b)] * 4
+    assert kept.hops == 1 and kept.transfer.zone_gb == 0
     assert {n.zone for n in cloud.launches if n.job == spanned.name} == {
         "us-east-1a",
         "us-east-1b",

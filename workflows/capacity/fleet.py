@@ -9,7 +9,7 @@ state and says so through `on_change`. Call from workflow code only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from temporalio import workflow
@@ -29,8 +29,13 @@ with workflow.unsafe.imports_passed_through():
     from spotrain.workflows.job import calls, orders
     from spotrain.workflows.job.orders import Order
     from spotrain.workflows.job.state import JobState, NodeRecord, NodeState
-    from spotrain.workflows.policies import locality, make_before_break
+    from spotrain.workflows.policies import locality, make_before_break, warning_rule
     from spotrain.workflows.spec import Placement
+
+
+# A hop restarts every rank on new nodes: processes start, build and load (the restart mode's
+# pause in warning_rule).
+RESTART_S = warning_rule.PAUSE_S["restart"]
 
 
 def unless_cancelled(err: ActivityError) -> None:
@@ -61,6 +66,13 @@ class Fleet:
         if placement != "any":
             where = await self._placed(placement)
             short = orders.shortfall(s)  # (a hop released the nodes it held)
+        await self._buy(short, placement, where, spot_only=spot_only)
+
+    async def _buy(
+        self, short: int, placement: Placement, where: orders.Placed | None, *, spot_only: bool
+    ) -> None:
+        """Order `short` nodes `where` (None: anywhere, offers not looked up yet)."""
+        s = self.s
         base = orders.base_orders(s, short, where.home if where else None)
         for order in base:
             self._order(order)
@@ -90,14 +102,44 @@ class Fleet:
         offers = await self.find_offers()
         where = orders.placed(s, offers, placement, now, launching=bool(self.launches))
         if where.home is not None and s.home_zone not in (None, where.home):
-            s.hops += 1
-            s.last_hop_at = now
             why = where.hop.why if where.hop else f"it holds no node in {s.home_zone}"
-            s.record(now, "zone hop", f"to {where.home}: {why}")
+            self._hopped(where.home, why)
         if where.hop is not None:
             await self.release([n for n in s.nodes if n.alive], f"hop to {where.hop.to}")
         s.home_zone = where.home or s.home_zone
         return where
+
+    def _hopped(self, to: str, why: str) -> None:
+        s = self.s
+        s.hops += 1
+        s.last_hop_at = workflow.now()
+        s.record(workflow.now(), "zone hop", f"to {to}: {why}")
+
+    async def hop_if_it_pays(self, stop: Callable[[str], Awaitable[None]]) -> None:
+        """Move a job that can train to a zone where the move pays (`orders.hop_for_gain`):
+        `stop` its generation with a checkpoint, release every node, buy in the new zone.
+        Only with no launch in flight, so every node it holds is known and goes."""
+        s = self.s
+        placement = s.spec.placement
+        alive = sum(n.alive for n in s.nodes)
+        if placement == "any" or self.launches or s.held or alive < s.spec.elastic.min_nodes:
+            return
+        offers = await self.find_offers()
+        move_s = make_before_break.checkpoint_s(s) + warning_rule.BOOT_S + RESTART_S
+        hop = orders.hop_for_gain(s, offers, workflow.now(), move_s=move_s)
+        if hop is None:
+            return
+        if s.running:
+            await stop(hop.why)
+            if s.finished:  # (its last step ran as it stopped)
+                return
+        await self.release([n for n in s.nodes if n.alive], f"hop to {hop.to}")
+        self._hopped(hop.to, hop.why)
+        s.home_zone = hop.to
+        inside = locality.placed(offers, placement, hop.to, s.spec.spot.regions)
+        await self._buy(
+            orders.shortfall(s), placement, orders.Placed(hop.to, inside, hop), spot_only=False
+        )
 
     def _order(self, order: Order) -> None:
         s = self.s

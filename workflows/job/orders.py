@@ -174,6 +174,44 @@ def placed(
     return Placed(home, locality.placed(offers, placement, home, regions), hop)
 
 
+def hop_for_gain(
+    state: JobState, offers: list[Offer], now: datetime, *, move_s: float
+) -> locality.Hop | None:
+    """Where a job that can train (at least `min_nodes` live, no ranks parked) moves for
+    gain (`locality.hop_for_gain`): its live nodes at the mean price it pays against every
+    other zone's offers at the prices it would be billed, a node-hour worth the mean
+    on-demand price of its nodes. Its base on-demand nodes cost the same in any zone, so
+    they are left out of both sides; a job the deadline policy keeps on on-demand buys no
+    spot, so it stays. Call with no launch in flight: the nodes it leaves must be all it
+    holds."""
+    alive = [n for n in state.nodes if n.alive]
+    home = locality.home_zone([n.zone for n in alive if n.zone], [])
+    too_few = len(alive) < state.spec.elastic.min_nodes
+    if home is None or too_few or state.held or deadline.on_demand(state.deadline):
+        return None
+    base = sum(n.base for n in alive)
+    alive = [n for n in alive if not n.base]
+    if not alive:
+        return None
+    billed = [
+        o.model_copy(update={"price": node_price(state, "spot", o.instance_type, o.zone)})
+        for o in offers
+    ]
+    return locality.hop_for_gain(
+        placement=state.spec.placement,
+        home=home,
+        stay=locality.Stay(len(alive), sum(n.price for n in alive) / len(alive)),
+        wants=max(len(alive), state.allowed - base),
+        worth_h=sum(n.on_demand_price for n in alive) / len(alive),
+        move_s=move_s,
+        offers=billed,
+        dry=state.dry_pools,
+        regions=state.spec.spot.regions,
+        last_hop=state.last_hop_at,
+        now=now,
+    )
+
+
 def spot_orders(
     state: JobState,
     offers: list[Offer],

@@ -11,6 +11,7 @@ A job whose home cannot give it `min_nodes` hops: the idle nodes it holds there 
 buys in the zone that can serve (`hop_to`); a pool where a launch found no capacity counts as
 offering nothing for `DRY_FOR`. It hops at most once per `HOP_HOLD_DOWN`, so a
 flickering market cannot make it flap, and never while ranks hold its state in memory.
+A job that can train hops too, when another zone pays for the move (`hop_for_gain`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ HOP_HOLD_DOWN = timedelta(minutes=30)
 # otherwise try the same empty pools for ever instead of hopping.
 DRY_FOR = timedelta(minutes=10)
 GB = 1e9
+# A job that can train hops when the move pays within this long: about as long as a spot
+# market's prices and capacity hold (they move within hours), so a better zone is not
+# counted on for longer than it is likely to stay better.
+HOP_HORIZON = timedelta(hours=2)
+# ... and only by at least this share of what its nodes would cost it over the horizon by
+# staying: room for what the rule cannot see (a zone that offers may not give every node).
+HOP_MIN_GAIN = 0.25
 
 
 def region_of(zone: str, regions: Sequence[str]) -> str:
@@ -142,6 +150,96 @@ def hop_to(
         to=away,
         why=f"its {where} {unit_of(home, placement, regions)} offers no spot and it holds "
         f"{held} of min {min_nodes} node(s); {unit_of(away, placement, regions)} offers",
+    )
+
+
+@dataclass(frozen=True)
+class Stay:
+    """A job in a zone (or region): how many nodes, at what USD per node-hour."""
+
+    nodes: int
+    price_h: float
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """A move over `HOP_HORIZON`, in USD: it pays when its gain less its cost is more than
+    `floor` (`HOP_MIN_GAIN` of the nodes' cost by staying)."""
+
+    gain_usd: float
+    cost_usd: float
+    floor_usd: float
+
+    @property
+    def pays(self) -> bool:
+        return self.gain_usd - self.cost_usd > self.floor_usd
+
+    def describe(self) -> str:
+        sign = ">" if self.pays else "<="
+        return (
+            f"gain ${self.gain_usd:.2f} - move ${self.cost_usd:.2f} {sign} "
+            f"min ${self.floor_usd:.2f} over {HOP_HORIZON.total_seconds() / 3600:g} h"
+        )
+
+
+def weigh_move(stay: Stay, go: Stay, *, worth_h: float, move_s: float) -> Weighed:
+    """A node-hour of training is worth `worth_h` (its on-demand price: what the work would
+    cost without spot), so an hour in a zone yields nodes x (worth - price). The gain is the
+    difference between the two zones over the horizon: more nodes (throughput, if steps scale
+    with them), a lower price, or both. The move costs `move_s` (a checkpoint, a boot, a
+    restart) with the new nodes billed and nothing trained: move_s x nodes x worth. The
+    checkpoint comes first, so no step is lost."""
+    hours = HOP_HORIZON.total_seconds() / 3600
+    yields = go.nodes * (worth_h - go.price_h) - stay.nodes * (worth_h - stay.price_h)
+    return Weighed(
+        gain_usd=hours * yields,
+        cost_usd=move_s / 3600 * go.nodes * worth_h,
+        floor_usd=HOP_MIN_GAIN * hours * stay.nodes * stay.price_h,
+    )
+
+
+def hop_for_gain(
+    *,
+    placement: Placement,
+    home: str,
+    stay: Stay,
+    wants: int,
+    worth_h: float,
+    move_s: float,
+    offers: list[Offer],
+    dry: dict[str, datetime],
+    regions: Sequence[str],
+    last_hop: datetime | None,
+    now: datetime,
+) -> Hop | None:
+    """Move a job that can train (`stay`: its nodes at home) to the zone (or region) whose
+    move pays most (`weigh_move`), if any pays. Each other zone that offers spot (not `dry`)
+    is taken to give the `wants` nodes the job would hold, at its cheapest offer's price
+    (`offers`: the prices the job would be billed); its home, if it still offers, to give
+    them too at the price it pays now, else only the nodes it holds. Not within
+    `HOP_HOLD_DOWN` of the last hop."""
+    if placement == "any" or (last_hop is not None and now - last_hop < HOP_HOLD_DOWN):
+        return None
+    offered = fresh(offers, dry, now)
+    if placed(offered, placement, home, regions):
+        stay = Stay(max(stay.nodes, wants), stay.price_h)
+    here = unit_of(home, placement, regions)
+    best: tuple[float, Offer, Weighed] | None = None
+    for o in offered:
+        if not o.zone or unit_of(o.zone, placement, regions) == here:
+            continue
+        w = weigh_move(stay, Stay(wants, o.price), worth_h=worth_h, move_s=move_s)
+        net = w.gain_usd - w.cost_usd
+        if w.pays and (best is None or net > best[0]):
+            best = (net, o, w)
+    if best is None:
+        return None
+    _, o, w = best
+    return Hop(
+        to=o.zone,
+        why=f"{unit_of(o.zone, placement, regions)} offers {wants} node(s) at "
+        f"${o.price:.3f}/h against {stay.nodes} at ${stay.price_h:.3f}/h in {here}: "
+        f"{w.describe()}",
     )
 
 

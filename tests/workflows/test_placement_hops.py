@@ -1,0 +1,249 @@
+"""Hops for gain: a job that can train moves to another zone when the move pays within
+`HOP_HORIZON` by at least `HOP_MIN_GAIN`, never within `HOP_HOLD_DOWN` of its last hop
+(workflows/policies/locality.py: weigh_move, hop_for_gain)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from temporalio import activity
+from temporalio.testing import WorkflowEnvironment
+
+from spotrain.activities.simulated import SimulatedCloud
+from spotrain.workflows import contract
+from spotrain.workflows.contract import Offer
+from spotrain.workflows.job import orders
+from spotrain.workflows.job.state import JobResult, TimelineEntry
+from spotrain.workflows.policies import locality
+from spotrain.workflows.policies.deadline import DeadlineState
+from spotrain.workflows.policies.locality import Stay, hop_for_gain, weigh_move
+from spotrain.workflows.spec import SpotPolicy
+from tests.jobs import job_spec, record_history, simulated
+from tests.workflows.test_placement import state_with
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+OD = 3.06  # p3.2xlarge on demand: what a node-hour of training is worth
+MOVE_S = 60 + 60 + 120  # a checkpoint (the graceful timeout), a boot, a restart
+
+prices = st.floats(0.05, 3.0)
+# A spot market over three zones: zone -> its cheapest offer (absent: it offers nothing).
+market_strategy = st.dictionaries(st.sampled_from(["za", "zb", "zc"]), prices)
+
+
+def offers_of(market: dict[str, float]) -> list[Offer]:
+    return [Offer(instance_type="p3.2xlarge", zone=z, price=p) for z, p in market.items()]
+
+
+def hop(
+    stay: Stay, market: dict[str, float], wants: int = 4, **changes: object
+) -> locality.Hop | None:
+    args: dict[str, object] = {
+        "placement": "zone",
+        "home": "za",
+        "stay": stay,
+        "wants": wants,
+        "worth_h": OD,
+        "move_s": MOVE_S,
+        "offers": offers_of(market),
+        "dry": {},
+        "regions": [],
+        "last_hop": None,
+        "now": T0,
+    }
+    return hop_for_gain(**(args | changes))  # type: ignore[arg-type]
+
+
+def test_more_nodes_for_less_pays_a_small_saving_does_not() -> None:
+    """Held to 2 of 4 nodes at home (which offers no more), zone b gives 4 for less: over 2 h
+    that is 4 x (3.06 - 0.5) - 2 x (3.06 - 0.97) = 6.06 USD/h more, 12.12, against a move of
+    240 s x 4 x 3.06 = 0.82 and a minimum of 0.25 x 2 h x 2 x 0.97 = 0.97."""
+    w = weigh_move(Stay(2, 0.97), Stay(4, 0.5), worth_h=OD, move_s=MOVE_S)
+    assert w.gain_usd == pytest.approx(12.12) and w.cost_usd == pytest.approx(0.816)
+    assert w.floor_usd == pytest.approx(0.97) and w.pays
+    moved = hop(Stay(2, 0.97), {"zb": 0.5})
+    assert moved is not None and moved.to == "zb"
+    assert "zb offers 4 node(s) at $0.500/h against 2 at $0.970/h in za" in moved.why
+    # At full size, a price 0.22 lower: gain 1.76 - move 0.82 = 0.94, under the minimum 1.94.
+    assert hop(Stay(4, 0.97), {"za": 0.97, "zb": 0.75}) is None
+    assert hop(Stay(4, 0.97), {"za": 0.97, "zb": 0.5}) is not None  # 0.47 lower: 2.94 > 1.94
+    # Home still offers: it can grow there, so more nodes elsewhere are no gain.
+    assert hop(Stay(2, 0.97), {"za": 0.97, "zb": 0.97}) is None
+    assert hop(Stay(2, 0.97), {"zb": 0.97}) is not None  # ... unless its offers are dry
+    dry = {locality.pool_key("p3.2xlarge", "za"): T0}
+    assert hop(Stay(2, 0.97), {"za": 0.97, "zb": 0.97}, dry=dry) is not None
+
+
+def test_the_hold_down_and_placement_any_keep_it_where_it_is() -> None:
+    cheap = {"zb": 0.1}
+    just = T0 - locality.HOP_HOLD_DOWN + timedelta(seconds=1)
+    assert hop(Stay(2, 0.97), cheap, last_hop=just) is None
+    assert hop(Stay(2, 0.97), cheap, last_hop=T0 - locality.HOP_HOLD_DOWN) is not None
+    assert hop(Stay(2, 0.97), cheap, placement="any") is None
+    regions = ["us-east-1", "us-west-2"]
+    inside = {"us-east-1b": 0.1}
+    kept = hop(Stay(2, 0.97), inside, placement="region", home="us-east-1a", regions=regions)
+    assert kept is None  # its own region
+    far = hop(
+        Stay(2, 0.97), {"us-west-2a": 0.1}, placement="region", home="us-east-1a", regions=regions
+    )
+    assert far is not None and far.to == "us-west-2a"
+
+
+@given(
+    held=st.integers(1, 8),
+    extra=st.integers(0, 8),
+    price=prices,
+    market=market_strategy,
+    cheaper=st.floats(0.0, 1.0),
+)
+def test_a_better_market_never_undoes_a_hop(
+    held: int, extra: int, price: float, market: dict[str, float], cheaper: float
+) -> None:
+    """Lower prices elsewhere never stop a hop that paid (and one to the cheapest zone)."""
+    wants = held + extra
+    before = hop(Stay(held, market.get("za", price)), market, wants)
+    lower = {z: p if z == "za" else p * cheaper for z, p in market.items()}
+    after = hop(Stay(held, market.get("za", price)), lower, wants)
+    if before is not None:
+        assert after is not None
+        assert before.to != "za" and lower[after.to] == min(
+            p for z, p in lower.items() if z != "za"
+        )
+
+
+@given(held=st.integers(1, 8), extra=st.integers(0, 8), price=prices, market=market_strategy)
+def test_a_hop_never_pays_back_on_the_same_market(
+    held: int, extra: int, price: float, market: dict[str, float]
+) -> None:
+    """No flapping even without the hold-down: once the job has moved (and pays the market
+    price where it went), the same market never moves it again, back or on."""
+    wants = held + extra
+    moved = hop(Stay(held, market.get("za", price)), market, wants)
+    if moved is not None:
+        there = Stay(wants, market[moved.to])
+        assert hop(there, market, wants, home=moved.to) is None
+
+
+@given(stay=st.integers(1, 8), price=prices, market=market_strategy)
+def test_no_gain_no_hop(stay: int, price: float, market: dict[str, float]) -> None:
+    """As many nodes at no lower a price elsewhere never pays: the move always costs."""
+    pricier = {z: max(p, price) for z, p in market.items()}
+    assert hop(Stay(stay, price), pricier, wants=stay) is None
+
+
+def test_orders_weigh_the_billed_prices_and_leave_base_nodes_out() -> None:
+    """The job's live nodes, at what they are billed, against the offers at what it would be
+    billed there: the spec's spot price, when it gives one, is the same in every zone."""
+    offers = [Offer(instance_type="p3.2xlarge", zone="us-east-1b", price=0.1)]
+    fixed = state_with(["us-east-1a"] * 2)  # the spec's spot_price: 0.97 everywhere
+    fixed.target = 2
+    assert orders.hop_for_gain(fixed, offers, T0, move_s=MOVE_S) is None
+    fixed.nodes[0].base, fixed.nodes[0].price = True, OD  # on demand in either zone
+    assert orders.hop_for_gain(fixed, offers, T0, move_s=MOVE_S) is None
+    market = state_with(["us-east-1a"] * 2)
+    market.target = 2
+    market.spec.spot.instance_types[0].spot_price = None
+    market.spot_prices = {"p3.2xlarge@us-east-1b": 0.1}  # (as find_offers books them)
+    moved = orders.hop_for_gain(market, offers, T0, move_s=MOVE_S)
+    assert moved is not None and moved.to == "us-east-1b"
+    market.deadline = DeadlineState(due=T0, mode="on-demand")  # buys no spot: no gain
+    assert orders.hop_for_gain(market, offers, T0, move_s=MOVE_S) is None
+    market.deadline = None
+    market.held = True  # parked ranks hold the state
+    assert orders.hop_for_gain(market, offers, T0, move_s=MOVE_S) is None
+    lone = state_with(["us-east-1a"])  # below min 2: hop_to's case, not this one
+    assert orders.hop_for_gain(lone, offers, T0, move_s=MOVE_S) is None
+
+
+class PricedCloud(SimulatedCloud):
+    """Capacity and the spot price per zone, each a function of time (`market`: zone, when
+    -> (nodes, USD/h))."""
+
+    def __init__(self, market: Callable[[str, datetime], tuple[int, float]]) -> None:
+        super().__init__(capacity=lambda _t, zone, when: market(zone, when)[0])
+        self.market = market
+
+    @activity.defn(name=contract.FIND_OFFERS)
+    def find_offers(self, policy: SpotPolicy) -> list[Offer]:
+        now = activity.info().current_attempt_scheduled_time
+        return [
+            o.model_copy(update={"price": self.market(o.zone, now)[1]})
+            for o in super().find_offers(policy)
+        ]
+
+
+def market_spec(total_steps: int) -> dict[str, Any]:
+    """Billed at the market's price (no spot_price in the spec), min 2 and max 4, spot only."""
+    spec = job_spec(total_steps=total_steps, on_demand={"fallback": False})
+    spec["spot"]["instance_types"] = [{"name": "p3.2xlarge", "gpus": 1, "on_demand_price": OD}]
+    return spec
+
+
+def hops_of(result: JobResult) -> list[TimelineEntry]:
+    return [e for e in result.timeline if e.event == "zone hop"]
+
+
+async def test_a_job_that_can_train_hops_for_more_nodes_for_less_but_not_within_the_hold_down(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """Zone a gives 2 nodes at 0.97 (min 2, max 4); after 20 minutes zone b gives plenty at
+    0.5: the job trains at 2, so hop_to would keep it, but the move pays, and at the next
+    capacity check it checkpoints, leaves a and trains at 4 in b. Ten minutes later a gives
+    plenty at 0.1: that pays too, but only once 30 minutes have passed since the first hop.
+    (Progress reports every 5 minutes keep the history in one run, recorded whole.)"""
+    t0 = await ts_env.get_current_time()
+    opens = t0 + timedelta(minutes=20)
+
+    def market(zone: str, when: datetime) -> tuple[int, float]:
+        if zone == "us-east-1a":
+            return (99, 0.1) if when >= opens + timedelta(minutes=10) else (2, 0.97)
+        return (99, 0.5) if when >= opens else (0, 0.5)
+
+    cloud = PricedCloud(market)
+    spec = market_spec(total_steps=12_000)
+    spec["elastic"]["progress_report_interval_s"] = 300
+    async with simulated(ts_env.client, cloud=cloud) as sim:
+        handle = await sim.start(spec)
+        result = await asyncio.wait_for(handle.result(), 300)
+        await record_history(handle, "hops_that_pay")  # (patch hops-that-pay)
+    assert result.phase == "Succeeded" and result.steps_done == 12_000
+    assert result.continued_as_new == 0
+    first, second = hops_of(result)
+    assert result.hops == 2 and result.steps_lost == 0  # (each hop checkpointed first)
+    assert first.detail.startswith(
+        "to us-east-1b: us-east-1b offers 4 node(s) at $0.500/h against 2 at $0.970/h"
+    )
+    check = timedelta(seconds=120)  # capacity_check_interval_s
+    assert opens <= first.time <= opens + 2 * check
+    assert second.detail.startswith("to us-east-1a: us-east-1a offers 4 node(s) at $0.100/h")
+    hold = locality.HOP_HOLD_DOWN
+    assert first.time + hold <= second.time <= first.time + hold + 2 * check
+    zones = [n.zone for n in cloud.launches]
+    assert zones == ["us-east-1a"] * 2 + ["us-east-1b"] * 4 + ["us-east-1a"] * 4, zones
+    assert cloud.running() == []
+
+
+async def test_a_job_does_not_hop_for_a_gain_below_the_minimum(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """At 4 of 4 in zone a at 0.97, zone b offers from minute 10 at 0.75: over 2 h that
+    saves 1.76 USD against a move of about 0.8, less than the minimum (0.25 x 2 h x 4 x
+    0.97 = 1.94). The job stays in a."""
+    t0 = await ts_env.get_current_time()
+
+    def market(zone: str, when: datetime) -> tuple[int, float]:
+        if zone == "us-east-1a":
+            return 4, 0.97
+        return (99, 0.75) if when >= t0 + timedelta(minutes=10) else (0, 0.75)
+
+    cloud = PricedCloud(market)
+    async with simulated(ts_env.client, cloud=cloud) as sim:
+        result = await asyncio.wait_for((await sim.start(market_spec(14_400))).result(), 300)
+    assert result.phase == "Succeeded" and result.hops == 0 and hops_of(result) == []
+    assert {n.zone for n in cloud.launches} == {"us-east-1a"}
