@@ -1,18 +1,24 @@
 """Scale: N concurrent TrainingJobs on W workflow worker processes, each job reclaimed at a
 steady rate.
 
-    .venv/bin/python -m bench.scale --jobs 100 --jobs 1000 [--workers 1 --workers 2] ...
+    .venv/bin/python -m bench.scale --jobs 100 --jobs 1000 [--workers 1 --workers 2] \
+        [--server dev --server postgres] ...
 
-Real Temporal dev server and the real workflow; the simulated cloud and runtime (no rank
-processes), so what is measured is orchestration. The workflows run in `--workers` worker
-processes of their own (`bench/scale_worker.py`, no activities); this process, the driver,
-sends the reclaims and runs the activities on the simulated cloud and runtime, whose watch
-long-polls as the real runtimes' does (a watch a report interval, no timer). Reported per
-(jobs, workers): reaction from the `reclaim` signal being sent to the worker-notify activity
-(`stop_generation`, which raises the elastic event) starting, each worker process's CPU (per
-reclaim cycle, and its share of a core) and peak RSS, the driver's CPU apart, history events
-per reclaim cycle (shrink, replacement, grow back, and the progress watches in between), and
-whether continue-as-new keeps every run under Temporal's history limits.
+A real Temporal server (`--server`: the dev server, or temporal-server on PostgreSQL; both
+started by bench/temporal_server.py, side by side per size) and the real workflow; the
+simulated cloud and runtime (no rank processes), so what is measured is orchestration. The
+workflows run in `--workers` worker processes of their own (`bench/scale_worker.py`, no
+activities); this process, the driver, sends the reclaims and runs the activities on the
+simulated cloud and runtime, whose watch long-polls as the real runtimes' does (a watch a
+report interval, no timer). Reported per (server, jobs, workers): reaction from the `reclaim`
+signal being sent to the worker-notify activity (`stop_generation`, which raises the elastic
+event) starting, each worker process's CPU (per reclaim cycle, and its share of a core) and
+peak RSS, the driver's and the server's CPU (PostgreSQL's included) apart, the 1-minute load
+average at the row's end, history events per reclaim cycle (shrink, replacement, grow back, and
+the progress watches in between), and whether continue-as-new keeps every run under Temporal's
+history limits.
+
+`--profile` samples each worker with py-spy while it reclaims and names where its CPU goes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -43,12 +50,15 @@ from spotrain.workflows import contract
 from spotrain.workflows.contract import StopRequest, StopResult, WatchRequest, WatchResult
 from spotrain.workflows.history import HISTORY_EVENTS_BEFORE_CONTINUE
 
-from .common import REPO, cpu_s, dev_server, publish, summary, table
+from .common import REPO, cpu_s, publish, summary, table
+from .scale_profile import sampled
+from .temporal_server import SERVERS, temporal_server
 
 HISTORY_LIMIT = 51_200  # Temporal's hard limit on events per run
 NODES = 4
 WATCH_POLL_S = 0.25  # as activities/local.py polls its ranks
 COLUMNS = [
+    "server",
     "jobs",
     "workers",
     "activity_slots",
@@ -58,6 +68,8 @@ COLUMNS = [
     "cpu_s_per_reclaim",
     "worker_cpu_share_max",
     "driver_cpu_s_per_reclaim",
+    "server_cpu_s_per_reclaim",
+    "load_1m",
     "peak_rss_mb",
     "events_per_cycle",
     "max_run_events",
@@ -203,6 +215,7 @@ def peak_rss_mb(pid: int) -> float:
 
 
 async def one_size(
+    server: str,
     jobs: int,
     workers: int,
     slots: int,
@@ -210,9 +223,11 @@ async def one_size(
     reclaim_every_s: float,
     suggest_can: int,
     progress_s: float,
+    profile: Path | None,
 ) -> dict[str, Any]:
-    async with dev_server(f"limit.historyCount.suggestContinueAsNew={suggest_can}") as env:
-        client = env.client
+    dynamic = {"limit.historyCount.suggestContinueAsNew": suggest_can}
+    async with temporal_server(server, dynamic) as running:
+        client = running.client
         runtime = NotifiedRuntime()
         cloud = SimulatedCloud()
         queue = uuid.uuid4().hex
@@ -245,10 +260,12 @@ async def one_size(
                 )
                 events_before = sum(await history_events(client, names))
                 worker_before = [cpu_s(pid) for pid in pids]
+                server_before = {pid: cpu_s(pid) for pid in running.pids()}
                 driver_before, began = time.process_time(), time.monotonic()
-                reclaims = await reclaim_steadily(
-                    client, runtime, names, duration_s, reclaim_every_s
-                )
+                async with sampled(pids, duration_s, profile) as profiles:
+                    reclaims = await reclaim_steadily(
+                        client, runtime, names, duration_s, reclaim_every_s
+                    )
                 try:
                     await until(
                         lambda: not runtime.signalled, 60 + jobs * 0.3, "the last reactions"
@@ -257,6 +274,8 @@ async def one_size(
                     raise TimeoutError(f"{e}: {await post_mortem(client, runtime)}") from None
                 worker_cpu = [cpu_s(pid) - b for pid, b in zip(pids, worker_before, strict=True)]
                 driver_cpu = time.process_time() - driver_before
+                server_cpu = sum(cpu_s(p) - server_before.get(p, 0.0) for p in running.pids())
+                load_1m = os.getloadavg()[0]
                 elapsed = time.monotonic() - began
                 rss = max(peak_rss_mb(pid) for pid in pids)
                 runs = await history_events(client, names)
@@ -266,6 +285,7 @@ async def one_size(
     reactions_ms = [1000 * r for r in runtime.reactions]
     stats = summary(reactions_ms)
     return {
+        "server": server,
         "jobs": jobs,
         "workers": workers,
         "activity_slots": slots,
@@ -279,13 +299,15 @@ async def one_size(
         "worker_cpu_share": [c / elapsed for c in worker_cpu],
         "worker_cpu_share_max": max(worker_cpu) / elapsed,
         "driver_cpu_s_per_reclaim": driver_cpu / max(1, reclaims),  # activities, signals
+        "server_cpu_s_per_reclaim": server_cpu / max(1, reclaims),
+        "load_1m": load_1m,
         "peak_rss_mb": rss,
         "events_per_cycle": (sum(runs) - events_before) / max(1, reclaims),
         "max_run_events": max(runs),
         "continued_as_new": len(runs) - jobs,
         "under_limits": max(runs) < min(HISTORY_LIMIT, HISTORY_EVENTS_BEFORE_CONTINUE + 1000),
         "elapsed_s": elapsed,
-    }
+    } | ({"profile": profiles} if profile else {})
 
 
 async def reclaim_steadily(
@@ -318,6 +340,17 @@ async def reclaim_steadily(
     return sent
 
 
+def revision() -> str:
+    """The commit measured, `-dirty` if the tree differs from it (the workflows may)."""
+    done = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty", "--abbrev=12"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or "unknown"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="bench.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, action="append", help="repeat: 100 and 1000 by default")
@@ -339,28 +372,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--progress-s", type=float, default=10.0, help="each job's progress report interval"
     )
+    p.add_argument(
+        "--server",
+        action="append",
+        choices=SERVERS,
+        help="repeat: each size on each, side by side (dev by default)",
+    )
+    p.add_argument("--profile", type=Path, help="py-spy each worker's reclaims into this folder")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--name", default="scale", help="the result file's name, without .json")
     args = p.parse_args(argv)
     logging.getLogger("temporalio").setLevel(logging.ERROR)
     rows: list[dict[str, Any]] = []
     for slots in args.activity_slots or [ACTIVITY_SLOTS]:
         for jobs in args.jobs or [100, 1000]:
-            for workers in args.workers or [1]:
-                size = (jobs, workers, slots, args.duration_s, args.reclaim_every_s)
+            for workers, server in itertools.product(args.workers or [1], args.server or ["dev"]):
+                size = (server, jobs, workers, slots, args.duration_s, args.reclaim_every_s)
+                extra = (args.suggest_can, args.progress_s, args.profile)
                 try:
-                    rows.append(asyncio.run(one_size(*size, args.suggest_can, args.progress_s)))
+                    rows.append(asyncio.run(one_size(*size, *extra)))
                 except TimeoutError as err:  # the row says so; the others still run
-                    rows.append({"jobs": jobs, "workers": workers, "activity_slots": slots})
-                    rows[-1]["failed"] = str(err)
-                    print(f"jobs {jobs}, workers {workers}: {err}", file=sys.stderr)
+                    rows.append({"server": server, "jobs": jobs, "workers": workers})
+                    rows[-1] |= {"activity_slots": slots, "failed": str(err)}
+                    print(f"{server}, jobs {jobs}, workers {workers}: {err}", file=sys.stderr)
                 print(table(rows[-1:], COLUMNS), file=sys.stderr, flush=True)  # progress
     report = {
-        "setup": vars(args) | {"out": str(args.out)},
+        "setup": vars(args) | {"out": str(args.out), "profile": str(args.profile)},
+        "revision": revision(),
         "load_average": os.getloadavg(),
         "cpus": os.cpu_count(),
         "rows": rows,
     }
-    publish(report, rows, COLUMNS, args.out / "scale.json")
+    publish(report, rows, COLUMNS, args.out / f"{args.name}.json")
     return report
 
 

@@ -7,7 +7,11 @@
 #                          kubectl (this directory's go.mod)
 #   build.sh karpenter     Karpenter's kwok provider, as `karpenter-kwok`, and its CRDs
 #                          under crds/ (infra/k8s/karpenter/kwok/go.mod: its own pins)
-#   SPOTRAIN_K8S_CACHE  cache root (default ~/.cache/spotrain/k8s)
+#   build.sh temporal      the Temporal server and temporal-sql-tool, with its PostgreSQL
+#                          schema under schema/ (infra/temporal/go.mod; the scale benchmark's
+#                          production-shaped server, bench/temporal_server.py; not in CI)
+#   SPOTRAIN_K8S_CACHE  cache root (default ~/.cache/spotrain/k8s; temporal: its
+#                       SPOTRAIN_TEMPORAL_CACHE, default ~/.cache/spotrain/temporal)
 #   SPOTRAIN_GO_P       parallel build jobs for `go build -p` (default: number of CPUs)
 #   SPOTRAIN_K8S_CHECK_ONLY=1  only print the directory if built, else fail (tests use this)
 set -euo pipefail
@@ -41,11 +45,20 @@ case "$component" in
     packages=(sigs.k8s.io/karpenter/kwok)
     what="Karpenter (kwok provider)"; prefix="karpenter-"
     ;;
-  *) echo "build.sh: unknown component $component (controlplane | karpenter)" >&2; exit 2 ;;
+  temporal)
+    cd "$here/../../temporal"
+    version="$(awk '$1 == "require" && $2 == "go.temporal.io/server" {print $3}' go.mod)"
+    ldflags="-s -w"
+    tools=(temporal-server temporal-sql-tool schema)
+    packages=(go.temporal.io/server/cmd/server go.temporal.io/server/cmd/tools/sql)
+    what="Temporal server"; prefix=""
+    cache="${SPOTRAIN_TEMPORAL_CACHE:-$HOME/.cache/spotrain/temporal}"
+    ;;
+  *) echo "build.sh: unknown component $component (controlplane | karpenter | temporal)" >&2; exit 2 ;;
 esac
 # The binaries depend on the pins, the toolchain and the flags: a change to any builds anew.
 key="$( (cat go.mod go.sum; go env GOVERSION GOOS GOARCH; echo "$ldflags ${tools[*]}") | sha256sum | cut -c1-12)"
-out="${SPOTRAIN_K8S_CACHE:-$HOME/.cache/spotrain/k8s}/$prefix$version-$key/bin"
+out="${cache:-${SPOTRAIN_K8S_CACHE:-$HOME/.cache/spotrain/k8s}}/$prefix$version-$key/bin"
 
 have=1
 for t in "${tools[@]}"; do [[ -e "$out/$t" ]] || have=0; done
@@ -76,6 +89,11 @@ case "$component" in
     mv "$tmp/kwok" "$tmp/karpenter-kwok"  # not to be taken for the kwok above
     src="$(go list -m -f '{{.Dir}}' sigs.k8s.io/karpenter)/kwok"  # NodeClaim, NodePool, KWOKNodeClass
     mkdir "$tmp/crds" && cp "$src"/charts/crds/*.yaml "$src"/apis/crds/*.yaml "$tmp/crds/"
+    ;;
+  temporal)
+    mv "$tmp/server" "$tmp/temporal-server" && mv "$tmp/sql" "$tmp/temporal-sql-tool"
+    src="$(go list -m -f '{{.Dir}}' go.temporal.io/server)/schema/postgresql"  # the sql tool's input
+    mkdir "$tmp/schema" && cp -r "$src" "$tmp/schema/" && chmod -R u+w "$tmp/schema"
     ;;
 esac
 rm -rf "$out"
