@@ -173,7 +173,8 @@ async def test_a_job_stays_in_one_zone_and_any_spans_them_paying_for_the_bytes(
     """Zone a can give 2 nodes, zone b plenty. `placement: zone` trains at 2 in zone a
     rather than spread (2 spot, 2 on-demand fallback), then moves whole to b, where spot
     gives it all 4 (the patch hops-that-pay: the move pays); `any` fills zone a, spills
-    into b and pays for every gradient byte that crosses. Ranked zone by zone (a a b b) its
+    into b and pays for every gradient byte that crosses (no capacity check in its 15
+    minutes, so it does not gather in b: test_placement_hops.py). Ranked zone by zone (a a b b) its
     ring crosses on 2 links: 2 x 0.6 GB a step at 3,600 steps. (Before the patch
     spanning-jobs-fill-zones its nodes went pool by pool, a b a b, to the same count and rank
     order.)"""
@@ -181,6 +182,7 @@ async def test_a_job_stays_in_one_zone_and_any_spans_them_paying_for_the_bytes(
     async with simulated(ts_env.client, cloud=cloud) as sim:
         kept = await (await sim.start(job_spec(gradient_bytes=G))).result()
         spread = job_spec(gradient_bytes=G, placement="any", total_steps=3_600)
+        spread["elastic"]["capacity_check_interval_s"] = 3_600  # (no check: it stays split)
         handle = await sim.start(spread)
         spanned = await handle.result()
         await record_history(handle, "zone_grouped_ranks")  # (patch zone-grouped-ranks)

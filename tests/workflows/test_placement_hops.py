@@ -17,7 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workflows import contract
-from spotrain.workflows.contract import Offer
+from spotrain.workflows.contract import Offer, WatchResult
 from spotrain.workflows.job import orders
 from spotrain.workflows.job.state import JobResult, TimelineEntry
 from spotrain.workflows.policies import locality
@@ -30,6 +30,7 @@ from tests.workflows.test_placement import state_with
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 OD = 3.06  # p3.2xlarge on demand: what a node-hour of training is worth
 MOVE_S = 60 + 60 + 120  # a checkpoint (the graceful timeout), a boot, a restart
+G = 400_000_000  # 100M fp32 parameters' gradients
 
 prices = st.floats(0.05, 3.0)
 # A spot market over three zones: zone -> its cheapest offer (absent: it offers nothing).
@@ -112,9 +113,8 @@ def test_a_better_market_never_undoes_a_hop(
     after = hop(Stay(held, market.get("za", price)), lower, wants)
     if before is not None:
         assert after is not None
-        assert before.to != "za" and lower[after.to] == min(
-            p for z, p in lower.items() if z != "za"
-        )
+        cheapest = min(p for z, p in lower.items() if z != "za")
+        assert before.to != "za" and lower[after.to] == pytest.approx(cheapest, abs=1e-9)
 
 
 @given(held=st.integers(1, 8), extra=st.integers(0, 8), price=prices, market=market_strategy)
@@ -247,3 +247,104 @@ async def test_a_job_does_not_hop_for_a_gain_below_the_minimum(
         result = await asyncio.wait_for((await sim.start(market_spec(14_400))).result(), 300)
     assert result.phase == "Succeeded" and result.hops == 0 and hops_of(result) == []
     assert {n.zone for n in cloud.launches} == {"us-east-1a"}
+
+
+def gather(zones: list[str], **changes: object) -> locality.Hop | None:
+    args: dict[str, object] = {
+        "zones": zones,
+        "prices": [0.97] * len(zones),
+        "crossing_usd_h": 10.0,
+        "worth_h": OD,
+        "move_s": MOVE_S,
+        "offers": offers_of({"za": 0.97, "zb": 0.97}),
+        "dry": {},
+        "last_hop": None,
+        "now": T0,
+    }
+    return locality.gather_to(**(args | changes))  # type: ignore[arg-type]
+
+
+def test_a_job_spread_over_zones_gathers_where_most_of_it_is_when_that_pays() -> None:
+    """a a b b at 10 USD/h across zones: over 2 h the ring costs 20, the move 0.82, the minimum
+    0.25 x 2 h x (3.88 + 10) = 6.94; it gathers in za, the first zone that holds most."""
+    moved = gather(["za", "za", "zb", "zb"])
+    assert moved is not None and moved.to == "za"
+    assert moved.why.startswith("2 of 4 node(s) outside za, the ring across zones $10.00/h")
+    assert gather(["zb", "za", "zb"]).to == "zb"  # type: ignore[union-attr]
+    assert gather(["za", "za", "zb", "zb"], crossing_usd_h=1.0) is None  # gain 2 - 0.82 < 2.19
+    assert gather(["za"] * 4) is None  # one zone already
+    full = gather(["za", "za", "zb"], offers=offers_of({"zb": 0.97}))  # za has no room
+    assert full is not None and full.to == "zb"
+    assert gather(["za", "za", "zb"], offers=offers_of({"zc": 0.97})) is None  # nor zb
+    dry = {locality.pool_key("p3.2xlarge", "za"): T0}  # za found empty: zb is the one
+    assert gather(["za", "za", "zb"], dry=dry).to == "zb"  # type: ignore[union-attr]
+    just = T0 - locality.HOP_HOLD_DOWN + timedelta(seconds=1)
+    assert gather(["za", "za", "zb"], last_hop=just) is None
+
+
+@given(
+    zones=st.lists(st.sampled_from(["za", "zb", "zc"]), min_size=1, max_size=8),
+    crossing=st.floats(0.0, 100.0),
+    market=market_strategy,
+)
+def test_gathering_goes_only_where_most_of_the_job_is_and_ends_the_crossing(
+    zones: list[str], crossing: float, market: dict[str, float]
+) -> None:
+    """It gathers a job in a zone it is in, that offers, and that holds no fewer of its
+    nodes than another such zone; once gathered (no crossing) the rule never moves it."""
+    moved = gather(zones, crossing_usd_h=crossing, offers=offers_of(market))
+    if moved is not None:
+        assert zones.count(moved.to) == max(zones.count(z) for z in zones if z in market)
+        assert len(set(zones)) > 1 and moved.to in market
+        there = [moved.to] * len(zones)
+        assert gather(there, crossing_usd_h=0.0, offers=offers_of(market)) is None
+
+
+async def test_a_spanning_job_gathers_in_one_zone_again_when_it_has_room(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """`placement: any`, 100M parameters: zone a gives 2 nodes; zone b 2 for 20 minutes,
+    then plenty. The job fills a, spills into b (a a b b: 1.2 GB across zones a step, about
+    USD 350 an hour at 4 x 3,600 steps), and once b has room it checkpoints, leaves a and
+    trains at 4 in b (patch spanning-jobs-gather): no byte crosses after that."""
+    t0 = await ts_env.get_current_time()
+    room = t0 + timedelta(minutes=20)
+
+    def capacity(_t: str, zone: str, when: datetime) -> int:
+        return 2 if zone == "us-east-1a" or when < room else 99
+
+    cloud = SimulatedCloud(capacity=capacity)
+    spec = job_spec(gradient_bytes=G, placement="any", total_steps=12_000)
+    spec["elastic"]["progress_report_interval_s"] = 300  # (one run, recorded whole)
+    async with simulated(ts_env.client, cloud=cloud) as sim:
+        handle = await sim.start(spec)
+        result = await asyncio.wait_for(handle.result(), 300)
+        await record_history(handle, "spanning_gathers")  # (patch spanning-jobs-gather)
+    assert result.phase == "Succeeded" and result.steps_done == 12_000
+    assert result.continued_as_new == 0 and result.steps_lost == 0
+    (moved,) = hops_of(result)
+    assert moved.detail.startswith("to us-east-1b: 2 of 4 node(s) outside us-east-1b")
+    assert room <= moved.time <= room + timedelta(seconds=2 * 120)
+    a, b = "us-east-1a", "us-east-1b"
+    assert [n.zone for n in cloud.launches] == [a, a, b, b, b, b]
+    split_s = (moved.time - t0).total_seconds()
+    assert 0 < result.transfer.zone_gb <= split_s * 4 * 1.2  # (at most 4 steps a second)
+    assert cloud.running() == []
+
+
+def test_orders_gather_a_running_split_job_at_the_pace_last_seen() -> None:
+    """The ring's traffic an hour is a step's crossing at the pace between the last two
+    progress reports: none known yet (or no gradient size), no gathering."""
+    a, b = "us-east-1a", "us-east-1b"
+    s = state_with([a, a, b, b], gradient_bytes=G, placement="any")
+    s.members, s.running = [0, 1, 2, 3], True
+    offers = [Offer(instance_type="p3.2xlarge", zone=a, price=0.97)]
+    assert orders.gathering(s, offers, T0, move_s=MOVE_S) is None  # no pace seen yet
+    s.progress_at, s.step = T0, 100
+    seen = WatchResult(outcome="progress", step=100 + 3_600)
+    s.note_progress(seen, T0 + timedelta(minutes=15))
+    assert s.steps_per_hour == pytest.approx(14_400)
+    moved = orders.gathering(s, offers, T0, move_s=MOVE_S)
+    assert moved is not None and moved.to == a and "$345.60/h" in moved.why  # 1.2 GB x 0.02
+    s.spec.gradient_bytes = None
+    assert orders.gathering(s, offers, T0, move_s=MOVE_S) is None

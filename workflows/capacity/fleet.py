@@ -116,30 +116,39 @@ class Fleet:
         s.record(workflow.now(), "zone hop", f"to {to}: {why}")
 
     async def hop_if_it_pays(self, stop: Callable[[str], Awaitable[None]]) -> None:
-        """Move a job that can train to a zone where the move pays (`orders.hop_for_gain`):
-        `stop` its generation with a checkpoint, release every node, buy in the new zone.
-        Only with no launch in flight, so every node it holds is known and goes."""
+        """Move a job that can train to a zone where the move pays (`orders.hop_for_gain`),
+        or gather one that spans zones into the zone that holds most of it
+        (`orders.gathering`): `stop` its generation with a checkpoint, release the nodes that
+        leave (every one, or those outside that zone), buy their replacements there. Only
+        with no launch in flight, so every node it holds is known."""
         s = self.s
         placement = s.spec.placement
         alive = sum(n.alive for n in s.nodes)
-        if placement == "any" or self.launches or s.held or alive < s.spec.elastic.min_nodes:
+        if self.launches or s.held or alive < s.spec.elastic.min_nodes:
             return
+        spanning = placement == "any"
+        if spanning and not workflow.patched("spanning-jobs-gather"):
+            return  # (hops-that-pay came first, for zone and region only)
         offers = await self.find_offers()
         move_s = make_before_break.checkpoint_s(s) + warning_rule.BOOT_S + RESTART_S
-        hop = orders.hop_for_gain(s, offers, workflow.now(), move_s=move_s)
+        rule = orders.gathering if spanning else orders.hop_for_gain
+        hop = rule(s, offers, workflow.now(), move_s=move_s)
         if hop is None:
             return
         if s.running:
             await stop(hop.why)
             if s.finished:  # (its last step ran as it stopped)
                 return
-        await self.release([n for n in s.nodes if n.alive], f"hop to {hop.to}")
+        leaving = [n for n in s.nodes if n.alive and not (spanning and n.zone == hop.to)]
+        await self.release(leaving, f"hop to {hop.to}")
         self._hopped(hop.to, hop.why)
-        s.home_zone = hop.to
-        inside = locality.placed(offers, placement, hop.to, s.spec.spot.regions)
-        await self._buy(
-            orders.shortfall(s), placement, orders.Placed(hop.to, inside, hop), spot_only=False
-        )
+        if spanning:  # (new spot nodes fill the zone that holds most: hop.to)
+            where = orders.Placed(None, offers)
+        else:
+            s.home_zone = hop.to
+            inside = locality.placed(offers, placement, hop.to, s.spec.spot.regions)
+            where = orders.Placed(hop.to, inside, hop)
+        await self._buy(orders.shortfall(s), placement, where, spot_only=False)
 
     def _order(self, order: Order) -> None:
         s = self.s

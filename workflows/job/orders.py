@@ -193,10 +193,6 @@ def hop_for_gain(
     alive = [n for n in alive if not n.base]
     if not alive:
         return None
-    billed = [
-        o.model_copy(update={"price": node_price(state, "spot", o.instance_type, o.zone)})
-        for o in offers
-    ]
     return locality.hop_for_gain(
         placement=state.spec.placement,
         home=home,
@@ -204,12 +200,48 @@ def hop_for_gain(
         wants=max(len(alive), state.allowed - base),
         worth_h=sum(n.on_demand_price for n in alive) / len(alive),
         move_s=move_s,
-        offers=billed,
+        offers=billed(state, offers),
         dry=state.dry_pools,
         regions=state.spec.spot.regions,
         last_hop=state.last_hop_at,
         now=now,
     )
+
+
+def gathering(
+    state: JobState, offers: list[Offer], now: datetime, *, move_s: float
+) -> locality.Hop | None:
+    """Where a running job that spans zones (`placement: any`) gathers
+    (`locality.gather_to`): its ring's traffic across zones at the pace last seen, against
+    the zone that holds most of its members, at the prices it would be billed there. Call
+    with no launch in flight."""
+    spec = state.spec
+    rate = state.steps_per_hour
+    if not state.running or state.held or rate is None or spec.gradient_bytes is None:
+        return None
+    members = state.member_nodes
+    zones = [n.zone or "" for n in members]
+    per_step = locality.ring_crossing(zones, spec.gradient_bytes, spec.spot.regions)
+    return locality.gather_to(
+        zones=zones,
+        prices=[n.price for n in members],
+        crossing_usd_h=per_step.cost * rate,
+        worth_h=sum(n.on_demand_price for n in members) / len(members),
+        move_s=move_s,
+        offers=billed(state, offers),
+        dry=state.dry_pools,
+        last_hop=state.last_hop_at,
+        now=now,
+    )
+
+
+def billed(state: JobState, offers: list[Offer]) -> list[Offer]:
+    """`offers` at the price a spot node from each would be billed (the spec's, if it gives
+    one)."""
+    return [
+        o.model_copy(update={"price": node_price(state, "spot", o.instance_type, o.zone)})
+        for o in offers
+    ]
 
 
 def spot_orders(

@@ -203,6 +203,11 @@ class JobState(BaseModel):
     transfer: Transfer = Field(
         default_factory=lambda: Transfer(), description="the rings' traffic across zones"
     )
+    steps_per_hour: float | None = Field(
+        None,
+        description="the pace since the progress seen before (or the generation's start): "
+        "what a ring across zones costs an hour (placement)",
+    )
 
     @classmethod
     def new(cls, spec: JobSpec) -> JobState:
@@ -244,6 +249,9 @@ class JobState(BaseModel):
             if self.checkpoint_step > self.generation_checkpoint:
                 self.restarts = 0
         if w.step is not None and w.step > self.step:
+            if self.progress_at is not None and now > self.progress_at:
+                hours = (now - self.progress_at).total_seconds() / 3600
+                self.steps_per_hour = (w.step - self.step) / hours
             self.bill_steps(w.step)
             self.step = w.step
             self.progress_at = now

@@ -243,6 +243,45 @@ def hop_for_gain(
     )
 
 
+def gather_to(
+    *,
+    zones: Sequence[str],
+    prices: Sequence[float],
+    crossing_usd_h: float,
+    worth_h: float,
+    move_s: float,
+    offers: list[Offer],
+    dry: dict[str, datetime],
+    last_hop: datetime | None,
+    now: datetime,
+) -> Hop | None:
+    """A job spread over zones (`placement: any`; its members' `zones` and `prices`) gathers
+    in one: of the zones it is in that offer spot (not `dry`), the one that holds most of
+    its members, when the move pays (`weigh_move`, the same rule as a hop): staying, a
+    node-hour costs its price plus its share of the ring's traffic across zones
+    (`crossing_usd_h`); gathered, the nodes from other zones are bought there at its
+    cheapest offer. Not within `HOP_HOLD_DOWN` of the last hop."""
+    if len(set(zones)) < 2 or (last_hop is not None and now - last_hop < HOP_HOLD_DOWN):
+        return None
+    offered = fresh(offers, dry, now)
+    home = home_zone([z for z in zones if any(o.zone == z for o in offered)], [])
+    if home is None:
+        return None
+    there = [o.price for o in offered if o.zone == home]
+    n = len(zones)
+    stay = Stay(n, (sum(prices) + crossing_usd_h) / n)
+    gathered = [p if z == home else min(there) for z, p in zip(zones, prices, strict=True)]
+    w = weigh_move(stay, Stay(n, sum(gathered) / n), worth_h=worth_h, move_s=move_s)
+    if not w.pays:
+        return None
+    away = n - list(zones).count(home)
+    return Hop(
+        to=home,
+        why=f"{away} of {n} node(s) outside {home}, the ring across zones ${crossing_usd_h:.2f}/h, "
+        f"and {home} offers spot: {w.describe()}",
+    )
+
+
 def grouped_by_zone(order: Sequence[int], zone_of: Mapping[int, str]) -> list[int]:
     """`order` (slots in rank order) with each zone's nodes side by side: zones in the order
     they first appear, nodes in their order within each. A ring over k zones then crosses on k
