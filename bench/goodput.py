@@ -375,7 +375,17 @@ def job_spec(
         },
         "on_demand": {"fallback": False} | on_demand,
         "placement": setup.placement,
+        "gradient_bytes": workflow_gradient_bytes(setup),
     }
+
+
+def workflow_gradient_bytes(setup: Setup) -> int:
+    """The gradient size to give the job, so that the traffic it weighs (when gathering its
+    nodes in one zone) is the traffic billed here: it sees its simulated steps
+    (`steps_per_hour` of its world), the rows are billed at `sync_steps_per_s`. The two agree
+    at `max_nodes`; on fewer nodes the job sees less than is billed."""
+    simulated_per_s = setup.steps_per_hour(setup.max_nodes) / 3600
+    return round(setup.gradient_gb * 1e9 * setup.sync_steps_per_s / simulated_per_s)
 
 
 @asynccontextmanager

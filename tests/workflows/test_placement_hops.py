@@ -157,6 +157,8 @@ def test_orders_weigh_the_billed_prices_and_leave_base_nodes_out() -> None:
     market.deadline = None
     market.held = True  # parked ranks hold the state
     assert orders.hop_for_gain(market, offers, T0, move_s=MOVE_S) is None
+    market.running = True  # ... no longer: the generation they formed runs, and checkpoints
+    assert orders.hop_for_gain(market, offers, T0, move_s=MOVE_S) is not None
     lone = state_with(["us-east-1a"])  # below min 2: hop_to's case, not this one
     assert orders.hop_for_gain(lone, offers, T0, move_s=MOVE_S) is None
 

@@ -124,7 +124,7 @@ class Fleet:
         s = self.s
         placement = s.spec.placement
         alive = sum(n.alive for n in s.nodes)
-        if self.launches or s.held or alive < s.spec.elastic.min_nodes:
+        if self.launches or alive < s.spec.elastic.min_nodes:
             return
         spanning = placement == "any"
         if spanning and not workflow.patched("spanning-jobs-gather"):

@@ -177,7 +177,7 @@ def placed(
 def hop_for_gain(
     state: JobState, offers: list[Offer], now: datetime, *, move_s: float
 ) -> locality.Hop | None:
-    """Where a job that can train (at least `min_nodes` live, no ranks parked) moves for
+    """Where a job that can train (at least `min_nodes` live, no ranks `parked`) moves for
     gain (`locality.hop_for_gain`): its live nodes at the mean price it pays against every
     other zone's offers at the prices it would be billed, a node-hour worth the mean
     on-demand price of its nodes. Its base on-demand nodes cost the same in any zone, so
@@ -187,7 +187,7 @@ def hop_for_gain(
     alive = [n for n in state.nodes if n.alive]
     home = locality.home_zone([n.zone for n in alive if n.zone], [])
     too_few = len(alive) < state.spec.elastic.min_nodes
-    if home is None or too_few or state.held or deadline.on_demand(state.deadline):
+    if home is None or too_few or parked(state) or deadline.on_demand(state.deadline):
         return None
     base = sum(n.base for n in alive)
     alive = [n for n in alive if not n.base]
@@ -217,7 +217,7 @@ def gathering(
     with no launch in flight."""
     spec = state.spec
     rate = state.steps_per_hour
-    if not state.running or state.held or rate is None or spec.gradient_bytes is None:
+    if not state.running or rate is None or spec.gradient_bytes is None:
         return None
     members = state.member_nodes
     zones = [n.zone or "" for n in members]
@@ -233,6 +233,13 @@ def gathering(
         last_hop=state.last_hop_at,
         now=now,
     )
+
+
+def parked(state: JobState) -> bool:
+    """Ranks parked between generations hold the job's state (live resize): a move would
+    throw it away. (`held` stays set while the generation they formed runs: that one
+    checkpoints before a move.)"""
+    return state.held and not state.running
 
 
 def billed(state: JobState, offers: list[Offer]) -> list[Offer]:
