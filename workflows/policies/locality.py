@@ -11,7 +11,11 @@ A job whose home cannot give it `min_nodes` hops: the idle nodes it holds there 
 buys in the zone that can serve (`hop_to`); a pool where a launch found no capacity counts as
 offering nothing for `DRY_FOR`. It hops at most once per `HOP_HOLD_DOWN`, so a
 flickering market cannot make it flap, and never while ranks hold its state in memory.
-A job that can train hops too, when another zone pays for the move (`hop_for_gain`).
+A job that can train hops too, when another zone pays for the move (`hop_for_gain`), and
+a job spread over zones gathers in one when that pays (`gather_to`): both weigh the move
+the same way (`weigh_move`): what the job's nodes yield an hour here and there, valued at
+the on-demand price, over `HOP_HORIZON`, against the time the move trains nothing, with a
+minimum gain (`HOP_MIN_GAIN`) and the same hold-down.
 """
 
 from __future__ import annotations
