@@ -137,6 +137,29 @@ def test_no_gain_no_hop(stay: int, price: float, market: dict[str, float]) -> No
     assert hop(Stay(stay, price), pricier, wants=stay) is None
 
 
+@given(
+    types=st.lists(prices, min_size=1, max_size=3),
+    mix=st.lists(st.integers(0, 2), min_size=1, max_size=8),
+    zones=st.lists(st.sampled_from(["zb", "zc"]), unique=True),
+    extra=st.integers(0, 4),
+)
+def test_a_mix_of_types_never_moves_for_a_price_its_home_offers_too(
+    types: list[float], mix: list[int], zones: list[str], extra: int
+) -> None:
+    """Every zone offers the same types at the same prices, and the job holds a mix of them
+    at home (paying their mean): it stays. Weighed against what it pays, the cheapest type
+    elsewhere looked like a gain; it bought the same mix there and moved again (the demo
+    hopped on its first capacity check, 4 of 4 m5.large and m5.xlarge nodes)."""
+    held = [types[i % len(types)] for i in mix]
+    offers = [
+        Offer(instance_type=f"t{i}", zone=z, price=p)
+        for z in ["za", *zones]
+        for i, p in enumerate(types)
+    ]
+    stay = Stay(len(held), sum(held) / len(held))
+    assert hop(stay, {}, wants=len(held) + extra, offers=offers) is None
+
+
 def test_orders_weigh_the_billed_prices_and_leave_base_nodes_out() -> None:
     """The job's live nodes, at what they are billed, against the offers at what it would be
     billed there: the spec's spot price, when it gives one, is the same in every zone."""

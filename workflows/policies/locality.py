@@ -220,13 +220,16 @@ def hop_for_gain(
     move pays most (`weigh_move`), if any pays. Each other zone that offers spot (not `dry`)
     is taken to give the `wants` nodes the job would hold, at its cheapest offer's price
     (`offers`: the prices the job would be billed); its home, if it still offers, to give
-    them too at the price it pays now, else only the nodes it holds. Not within
+    them too, at the price it pays now or its own cheapest offer's, whichever is lower (a
+    job that holds a mix of types must not move for a price its home offers too: it would
+    buy the same mix there and move again), else only the nodes it holds. Not within
     `HOP_HOLD_DOWN` of the last hop."""
     if placement == "any" or (last_hop is not None and now - last_hop < HOP_HOLD_DOWN):
         return None
     offered = fresh(offers, dry, now)
-    if placed(offered, placement, home, regions):
-        stay = Stay(max(stay.nodes, wants), stay.price_h)
+    if at_home := placed(offered, placement, home, regions):
+        cheapest = min(o.price for o in at_home)
+        stay = Stay(max(stay.nodes, wants), min(stay.price_h, cheapest))
     here = unit_of(home, placement, regions)
     best: tuple[float, Offer, Weighed] | None = None
     for o in offered:
