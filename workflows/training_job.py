@@ -425,18 +425,25 @@ class TrainingJob(TrainingJobHandlers):
                 s.inbox.append(events.Lost(node_id=info.node_id))
         if s.spec.deadline is not None and workflow.patched("deadline-policy"):
             deadline_hooks.check(s, self._now())
-        if workflow.patched("hops-that-pay"):  # (before it, only a job short of min hopped)
-            await self.fleet.hop_if_it_pays(
+        # (before the patch only a job short of min hopped, and a check could ask for the
+        # offers three times; now once)
+        once = workflow.patched("hops-that-pay")
+        offers = None
+        if once:
+            offers = await self.fleet.hop_if_it_pays(
                 lambda why: self._resize(reason="zone hop", detail=why, resize=False)
             )
         check = job_planner.capacity_check(s, launching=bool(self.fleet.launches))
         if check is None:
             return
-        if check.wants_spot and await self.fleet.find_offers():
+        if offers is None and check.wants_spot:
+            offers = await self.fleet.find_offers()
+        looked_up = offers if once else None
+        if check.wants_spot and offers:
             s.target = job_planner.target_with_spot(s, check)
-            await self.fleet.reconcile(spot_only=True)
+            await self.fleet.reconcile(spot_only=True, offers=looked_up)
         else:
-            await self.fleet.reconcile()
+            await self.fleet.reconcile(offers=looked_up)
 
     # --- teardown and visibility -------------------------------------------------------------
 

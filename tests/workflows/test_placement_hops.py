@@ -274,6 +274,40 @@ async def test_a_job_does_not_hop_for_a_gain_below_the_minimum(
     assert {n.zone for n in cloud.launches} == {"us-east-1a"}
 
 
+async def test_a_capacity_check_looks_up_the_offers_once(ts_env: WorkflowEnvironment) -> None:
+    """Zone a has room for 3 nodes for its first 20 minutes, then plenty; b none. The job
+    trains at 3 and, each check, weighs a hop and grows: both from the one look-up of the
+    offers (they asked twice, and a third time to place the growth: an activity and its
+    events each)."""
+    t0 = await ts_env.get_current_time()
+
+    def market(zone: str, when: datetime) -> tuple[int, float]:
+        if zone == "us-east-1a":
+            return (99 if when >= t0 + timedelta(minutes=20) else 3), 0.97
+        return 0, 0.97
+
+    cloud = PricedCloud(market)
+    spec = market_spec(total_steps=12_000)
+    spec["elastic"]["progress_report_interval_s"] = 300  # (one run: its history whole)
+    async with simulated(ts_env.client, cloud=cloud) as sim:
+        handle = await sim.start(spec)
+        result = await asyncio.wait_for(handle.result(), 300)
+        events = [e async for e in handle.fetch_history_events()]
+        await record_history(handle, "offers_once_a_check")  # (patch hops-that-pay)
+    assert result.phase == "Succeeded" and result.hops == 0 and result.continued_as_new == 0
+    assert len(cloud.launches) == 4  # 3, then (once a has room) the 4th
+    looked_up, checks = 0, 0
+    for e in events:  # each capacity check starts with describe_nodes
+        name = e.activity_task_scheduled_event_attributes.activity_type.name
+        if name == contract.DESCRIBE_NODES:
+            checks += 1
+            looked_up = 0
+        elif name == contract.FIND_OFFERS:
+            looked_up += 1
+            assert looked_up == 1 or checks == 0, f"offers looked up twice in check {checks}"
+    assert checks >= 10
+
+
 def gather(zones: list[str], **changes: object) -> locality.Hop | None:
     args: dict[str, object] = {
         "zones": zones,

@@ -52,10 +52,13 @@ class Fleet:
         self.launches: dict[int, asyncio.Task[None]] = {}
         self.fatal: str | None = None  # a launch failed for good (credentials, bad type)
 
-    async def reconcile(self, *, spot_only: bool = False) -> None:
+    async def reconcile(
+        self, *, spot_only: bool = False, offers: list[Offer] | None = None
+    ) -> None:
         """Order nodes until the job holds what it may (base on-demand first, then spot, then
         on-demand fallback for the nodes it is owed), all in its home zone or region unless
-        its placement is `any`; first hop if its home cannot serve it."""
+        its placement is `any`; first hop if its home cannot serve it. `offers`: those this
+        capacity check already looked up (None: look them up)."""
         s = self.s
         short = orders.shortfall(s)
         if short <= 0:
@@ -64,8 +67,10 @@ class Fleet:
         placement = s.spec.placement if workflow.patched("zone-placement") else "any"
         where = None
         if placement != "any":
-            where = await self._placed(placement)
+            where = await self._placed(placement, offers)
             short = orders.shortfall(s)  # (a hop released the nodes it held)
+        elif offers is not None:
+            where = orders.Placed(None, offers)
         await self._buy(short, placement, where, spot_only=spot_only)
 
     async def _buy(
@@ -94,12 +99,13 @@ class Fleet:
         if plan.waiting:
             s.record(workflow.now(), "waiting for capacity", f"{plan.waiting} node(s) short")
 
-    async def _placed(self, placement: Placement) -> orders.Placed:
+    async def _placed(self, placement: Placement, offers: list[Offer] | None) -> orders.Placed:
         """The offers around the job's home; after a hop, its idle nodes gone. Every change of
         home counts as a hop, also that of a job left with no node, which moves for free."""
         s = self.s
         now = workflow.now()
-        offers = await self.find_offers()
+        if offers is None:
+            offers = await self.find_offers()
         where = orders.placed(s, offers, placement, now, launching=bool(self.launches))
         if where.home is not None and s.home_zone not in (None, where.home):
             why = where.hop.why if where.hop else f"it holds no node in {s.home_zone}"
@@ -115,30 +121,32 @@ class Fleet:
         s.last_hop_at = workflow.now()
         s.record(workflow.now(), "zone hop", f"to {to}: {why}")
 
-    async def hop_if_it_pays(self, stop: Callable[[str], Awaitable[None]]) -> None:
+    async def hop_if_it_pays(self, stop: Callable[[str], Awaitable[None]]) -> list[Offer] | None:
         """Move a job that can train to a zone where the move pays (`orders.hop_for_gain`),
         or gather one that spans zones into the zone that holds most of it
         (`orders.gathering`): `stop` its generation with a checkpoint, release the nodes that
         leave (every one, or those outside that zone), buy their replacements there. Only
-        with no launch in flight, so every node it holds is known."""
+        with no launch in flight, so every node it holds is known. Returns the offers it
+        looked up, if it did and stayed: the rest of the capacity check buys from them
+        rather than asking again (an activity, and its events, a check)."""
         s = self.s
         placement = s.spec.placement
         alive = sum(n.alive for n in s.nodes)
         if self.launches or alive < s.spec.elastic.min_nodes:
-            return
+            return None
         spanning = placement == "any"
         if spanning and not workflow.patched("spanning-jobs-gather"):
-            return  # (hops-that-pay came first, for zone and region only)
+            return None  # (hops-that-pay came first, for zone and region only)
         offers = await self.find_offers()
         move_s = make_before_break.checkpoint_s(s) + warning_rule.BOOT_S + RESTART_S
         rule = orders.gathering if spanning else orders.hop_for_gain
         hop = rule(s, offers, workflow.now(), move_s=move_s)
         if hop is None:
-            return
+            return offers
         if s.running:
             await stop(hop.why)
             if s.finished:  # (its last step ran as it stopped)
-                return
+                return None
         leaving = [n for n in s.nodes if n.alive and not (spanning and n.zone == hop.to)]
         await self.release(leaving, f"hop to {hop.to}")
         self._hopped(hop.to, hop.why)
@@ -149,6 +157,7 @@ class Fleet:
             inside = locality.placed(offers, placement, hop.to, s.spec.spot.regions)
             where = orders.Placed(hop.to, inside, hop)
         await self._buy(orders.shortfall(s), placement, where, spot_only=False)
+        return None
 
     def _order(self, order: Order) -> None:
         s = self.s
