@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_python
 from tests.warm_python import WARM_PYTHON
 
 pytestmark = pytest.mark.usefixtures("warm_python_server")
@@ -110,26 +112,28 @@ def test_sigterm_reaches_the_rank_and_a_killed_client_takes_it_along(tmp_path: P
             started.wait()
 
 
-def test_a_signal_around_the_ranks_exit_does_not_change_its_exit_code(tmp_path: Path) -> None:
-    """A rank that stops on SIGTERM and exits 0, while SIGTERMs keep coming (torchrun's
-    wrapper sends one, the agent may send more): its client exits 0 as the rank did, never
-    dies of a SIGTERM that came after the rank's end, nor of forwarding one to it."""
-    code = """if True:
-        import os, signal, sys, time
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-        open(sys.argv[1], "w").write("up")
-        time.sleep(60)
-    """
+# A rank that stops on SIGTERM and exits 0, once it is up.
+EXITS_0_ON_SIGTERM = """if True:
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    open(sys.argv[1], "w").write("up")
+    time.sleep(60)
+"""
+
+
+def sigterms_until_it_exits(tmp_path: Path, attempts: int) -> list[int]:
+    """Each attempt: a client for that rank; once the rank is up, a SIGTERM every 0.2 ms
+    until the client has exited. Its exit codes."""
     codes = []
-    for attempt in range(20):
+    for attempt in range(attempts):
         up = tmp_path / f"up-{attempt}"
-        client = subprocess.Popen([*WARM_PYTHON, "-c", code, str(up)])
+        client = subprocess.Popen([*WARM_PYTHON, "-c", EXITS_0_ON_SIGTERM, str(up)])
         try:
             deadline = time.monotonic() + 60
             while not up.exists():
                 assert time.monotonic() < deadline and client.poll() is None
-                time.sleep(0.02)
-            while client.poll() is None:  # until it has exited, a SIGTERM every 0.2 ms
+                time.sleep(0.001)
+            while client.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     client.send_signal(signal.SIGTERM)
                 time.sleep(0.0002)
@@ -137,7 +141,52 @@ def test_a_signal_around_the_ranks_exit_does_not_change_its_exit_code(tmp_path: 
         finally:
             client.kill()
             client.wait()
-    assert codes == [0] * 20
+    return codes
+
+
+def test_a_signal_around_the_ranks_exit_does_not_change_its_exit_code(tmp_path: Path) -> None:
+    """SIGTERMs keep coming (torchrun's wrapper sends one, the agent may send more): the
+    client exits 0 as the rank did, never dies of a SIGTERM that came after the rank's end,
+    nor of forwarding one to it."""
+    assert sigterms_until_it_exits(tmp_path, 10) == [0] * 10
+
+
+def test_a_signal_before_the_client_knows_its_rank_goes_to_the_rank(tmp_path: Path) -> None:
+    """A SIGTERM that reaches the client before it has read its rank's pid (a client starved
+    on a loaded machine, its rank up already) is held and then forwarded: the rank exits 0
+    on it, and so does the client. It killed the client (-15) in a suite run at load 20.
+    This test plays the fork server, so the signal comes exactly then."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(tmp_path / "socket"))
+    listener.listen(1)
+    listener.settimeout(60)
+    env = os.environ | {warm_python.ENV: str(tmp_path / "socket")}
+    client = subprocess.Popen([*WARM_PYTHON, "-c", "pass"], env=env)
+    rank: subprocess.Popen[bytes] | None = None
+    try:
+        conn, _ = listener.accept()
+        _request, fds, _flags, _addr = socket.recv_fds(conn, warm_python.MAX_MESSAGE, 3)
+        for fd in fds:
+            os.close(fd)
+        up = tmp_path / "up"
+        rank = subprocess.Popen([sys.executable, "-c", EXITS_0_ON_SIGTERM, str(up)])
+        deadline = time.monotonic() + 60
+        while not up.exists():
+            assert time.monotonic() < deadline and rank.poll() is None
+            time.sleep(0.01)
+        client.send_signal(signal.SIGTERM)  # before the client knows its rank
+        time.sleep(0.3)
+        assert client.poll() is None, "the client died of a signal meant for its rank"
+        conn.send(json.dumps({"pid": rank.pid}).encode())
+        assert rank.wait(timeout=60) == 0  # the held SIGTERM reached it
+        conn.send(json.dumps({"exit": 0}).encode())
+        assert client.wait(timeout=60) == 0
+    finally:
+        for process in (client, rank):
+            if process is not None:
+                process.kill()
+                process.wait()
+        listener.close()
 
 
 def _state(pid: int) -> str:

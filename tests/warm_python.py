@@ -66,6 +66,10 @@ def client(argv: list[str]) -> int:
         conn.close()
         _cold(argv)
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    # Held back until they can be forwarded: the child may be up (and the sender told so)
+    # before this process, starved on a loaded machine, has read its pid. A SIGTERM then
+    # killed us, not the child, whose handler would have made it exit 0.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     data = conn.recv(MAX_MESSAGE)  # the child's pid, from the child
     if data and "pid" in (first := json.loads(data)):
@@ -76,7 +80,9 @@ def client(argv: list[str]) -> int:
 
         for signum in FORWARDED:
             signal.signal(signum, forward)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # (those held go to the child)
         data = conn.recv(MAX_MESSAGE)  # its exit code or signal, from the server
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # (no child: they were for us)
     if not data:
         print("warm_python: the server went before the child reported", file=sys.stderr)
         return 1
