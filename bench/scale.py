@@ -1,8 +1,7 @@
 """Scale: N concurrent TrainingJobs on W workflow worker processes, each job reclaimed at a
 steady rate.
 
-    .venv/bin/python -m bench.scale --jobs 100 --jobs 1000 [--workers 1 --workers 2] \
-        [--server dev --server postgres] ...
+    .venv/bin/python -m bench.scale --jobs 100 --jobs 300 [--workers 2] [--server postgres] ...
 
 A real Temporal server (`--server`: the dev server, or temporal-server on PostgreSQL; both
 started by bench/temporal_server.py, side by side per size) and the real workflow; the
