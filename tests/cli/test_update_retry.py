@@ -1,11 +1,14 @@
 """A CLI update (`pause`, `scale`, `budget`, ...) while the job's workflow task fails for a
 moment: Temporal aborts the update unapplied ("unexpected workflow task failure"), and the
 CLI tries it again with the same id until it is applied, once. Seen in CI beside busy loops,
-where the SDK failed a task that ran over its 2 s deadlock check on a starved worker.
+where the SDK failed a task that ran over its 2 s deadlock check on a starved worker. The
+`status` query (the CLI's and the demo's) is asked again when that check failed it.
 
 Stood in for: the job. A workflow of this module takes the `pause` update, and its tasks fail
 until the test has seen the CLI say it tries again (a cause outside the workflow's state, as a
-starved worker is).
+starved worker is); another fails `status` with the SDK's deadlock message a set number of
+times (holding its thread past the check for real left the SDK's eviction of the run waiting
+and the test's worker unable to shut down).
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import asyncio
 import os
 import sys
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from temporalio import workflow
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
+
+from spotrain.workers.cli.support import STARVED, STARVED_TRIES, CliError, query_status
+from spotrain.workflows.job.state import JobStatus
+from tests.workflows.test_placement import state_with
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -82,4 +89,45 @@ async def test_an_update_aborted_by_a_failed_workflow_task_is_tried_again(
                 proc.kill()
                 await proc.wait()
             FAILING["now"] = True
+            await handle.terminate()
+
+
+HELD = {"queries": 0}
+
+
+@workflow.defn(name="StarvedQueryJob", sandboxed=False)
+class StarvedQueryJob:
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: False)
+
+    @workflow.query(name="status")
+    def status(self) -> JobStatus:
+        HELD["queries"] -= 1
+        if HELD["queries"] >= 0:  # (as the SDK words it)
+            raise RuntimeError(f"[{STARVED}] Potential deadlock detected: workflow didn't yield")
+        return state_with(["us-east-1a"]).status(datetime(2026, 1, 1, tzinfo=UTC))
+
+
+@pytest.mark.slow
+async def test_a_status_query_failed_by_a_starved_worker_is_asked_again(
+    dev_env: WorkflowEnvironment,
+) -> None:
+    """Failed twice with "[TMPRL1101] Potential deadlock detected" (a demo run at load 20
+    ended in that traceback), the query is asked again and the third answers. Failed every
+    time, it gives up after STARVED_TRIES with the CLI's message."""
+    queue = name = f"starved-{uuid.uuid4().hex[:8]}"
+    async with Worker(dev_env.client, task_queue=queue, workflows=[StarvedQueryJob]):
+        handle = await dev_env.client.start_workflow(
+            "StarvedQueryJob", id=name, task_queue=queue, run_timeout=timedelta(minutes=5)
+        )
+        try:
+            HELD["queries"] = 2
+            status = await query_status(handle)
+            assert status.name.startswith("job-") and HELD["queries"] == -1
+            HELD["queries"] = STARVED_TRIES
+            with pytest.raises(CliError, match=r"cannot answer `status`: .*TMPRL1101"):
+                await query_status(handle)
+            assert HELD["queries"] == 0
+        finally:
             await handle.terminate()

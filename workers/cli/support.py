@@ -112,13 +112,25 @@ async def job(args: argparse.Namespace) -> WorkflowHandle[Any, Any]:
     return (await client()).get_workflow_handle(args.name, result_type=JobResult)
 
 
+# The SDK fails a query whose workflow code did not yield within 2 s of wall time
+# ("[TMPRL1101] Potential deadlock detected"): on a starved machine that is the worker's
+# thread waiting for a core, not the job. Such a query is asked again, a few times.
+STARVED = "TMPRL1101"
+STARVED_TRIES = 5
+
+
 async def query_status(
     handle: WorkflowHandle[Any, Any], timeout: timedelta = RPC_TIMEOUT
 ) -> JobStatus:
-    try:
-        return await handle.query("status", result_type=JobStatus, rpc_timeout=timeout)
-    except WorkflowQueryFailedError as e:
-        raise CliError(f"job {handle.id!r} cannot answer `status`: {e.message}") from None
+    tries = STARVED_TRIES
+    while True:
+        try:
+            return await handle.query("status", result_type=JobStatus, rpc_timeout=timeout)
+        except WorkflowQueryFailedError as e:
+            tries -= 1
+            if STARVED not in e.message or tries == 0:
+                raise CliError(f"job {handle.id!r} cannot answer `status`: {e.message}") from None
+        await asyncio.sleep(1)
 
 
 async def is_running(handle: WorkflowHandle[Any, Any]) -> bool:

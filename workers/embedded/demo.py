@@ -27,6 +27,7 @@ from rich.table import Table
 
 from spotrain.activities.local import LocalRuntime, job_processes
 from spotrain.elastic.job_store import JobStore
+from spotrain.workers.cli.support import CliError, query_status
 from spotrain.workers.embedded.stack import CHECKPOINT_BUCKET, Stack, StackConfig
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.job.checkpoints import describe
@@ -180,7 +181,7 @@ async def run(args: argparse.Namespace) -> int:
         progress = Progress()
         with live or contextlib.nullcontext():
             while True:
-                status = await handle.query("status", result_type=JobStatus)
+                status = await query_status(handle)
                 plan = script.next_reclaim(status)
                 if plan:
                     node, notice = plan
@@ -266,7 +267,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     with state_dir(args.state_dir, args.keep_state) as args.state_dir:
-        code = asyncio.run(run(args))
+        try:
+            code = asyncio.run(run(args))
+        except CliError as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = e.code
     sys.stdout.flush()
     raise SystemExit(code)
 
