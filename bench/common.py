@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
+import subprocess
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,6 +34,21 @@ def cpu_s(pid: int) -> float:
     """A process's CPU seconds so far (user + system)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop(
+    procs: Sequence[subprocess.Popen[Any]], signum: int = signal.SIGTERM, grace_s: float = 30
+) -> None:
+    """Send each live process `signum`, then wait for each up to `grace_s`; kill what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def load_traces(args: Sequence[str]) -> list[Trace]:

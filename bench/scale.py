@@ -49,7 +49,7 @@ from spotrain.workflows import contract
 from spotrain.workflows.contract import StopRequest, StopResult, WatchRequest, WatchResult
 from spotrain.workflows.history import HISTORY_EVENTS_BEFORE_CONTINUE
 
-from .common import REPO, cpu_s, publish, summary, table
+from .common import REPO, cpu_s, publish, stop, summary, table
 from .scale_profile import sampled
 from .temporal_server import SERVERS, temporal_server
 
@@ -195,14 +195,7 @@ async def workflow_workers(
                 raise RuntimeError(f"a workflow worker did not start (exit {proc.poll()})")
         yield [p.pid for p in procs]
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(procs)
 
 
 def peak_rss_mb(pid: int) -> float:

@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from .common import stop
+
 TOP = 15
 
 
@@ -92,14 +94,7 @@ async def sampled(
     try:
         yield found
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(procs, signal.SIGINT)  # py-spy writes what it has on SIGINT
     for pid, was, out in zip(pids, before, outputs, strict=True):
         now = thread_cpu_s(pid)
         threads = {k: round(v - was.get(k, 0.0), 2) for k, v in now.items()}

@@ -34,7 +34,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from spotrain.workers.embedded.binaries import temporal_cli
 from spotrain.workers.embedded.stack import port_block
 
-from .common import REPO, dev_server
+from .common import REPO, dev_server, stop
 
 BUILD = REPO / "infra/k8s/controlplane/build.sh"
 SERVERS = ("dev", "postgres")
@@ -131,14 +131,8 @@ class Processes:
         return sorted(roots | set(children(roots)))
 
     def stop(self) -> None:
-        for _, proc in reversed(self.started):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for _, proc in reversed(self.started):  # (the server before its database)
+            stop([proc], signal.SIGINT)
 
 
 def children(parents: set[int]) -> list[int]:
@@ -301,7 +295,10 @@ async def usable(client: Client, procs: Processes) -> None:
 
 @contextlib.contextmanager
 def _work_dir() -> Iterator[Path]:
-    work = Path(tempfile.mkdtemp(prefix="spotrain-temporal-"))
+    """As root, PostgreSQL runs as `postgres`, who must reach its data directory: in /tmp,
+    not under a TMPDIR that only root may enter (the test suite's is such)."""
+    where = "/tmp" if os.geteuid() == 0 else None
+    work = Path(tempfile.mkdtemp(prefix="spotrain-temporal-", dir=where))
     try:
         yield work
     finally:
