@@ -128,7 +128,11 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
         assert 1 <= after[0]["step"] <= before[-1]["step"] + 1
     assert chain[0][0]["step"] == 1 and chain[-1][-1]["step"] == STEPS
     assert [e["step"] for e in chain[-1]] == list(range(chain[-1][0]["step"], STEPS + 1))
-    # Loss keeps falling across resizes.
+    # Loss falls, and every resize carries the trained state: each later generation starts far
+    # below the first step's loss (about 8; restarted from the initial weights, near it). One
+    # step's loss is noisy (0.006-0.14 within a generation late in a run): the last step's
+    # was once above the second generation's first, so single steps are not compared.
     losses = [e["loss"] for steps in chain for e in steps]
     assert sum(losses[-50:]) / 50 < 0.5 * sum(losses[:50]) / 50
-    assert chain[-1][-1]["loss"] < chain[1][0]["loss"] < chain[0][0]["loss"]
+    first = chain[0][0]["loss"]
+    assert all(steps[0]["loss"] < 0.1 * first for steps in chain[1:]), [s[0] for s in chain]
