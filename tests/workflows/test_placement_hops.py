@@ -75,9 +75,11 @@ def test_more_nodes_for_less_pays_a_small_saving_does_not() -> None:
     assert hop(Stay(4, 0.97), {"za": 0.97, "zb": 0.5}) is not None  # 0.47 lower: 2.94 > 1.94
     # Home still offers: it can grow there, so more nodes elsewhere are no gain.
     assert hop(Stay(2, 0.97), {"za": 0.97, "zb": 0.97}) is None
-    assert hop(Stay(2, 0.97), {"zb": 0.97}) is not None  # ... unless its offers are dry
+    assert hop(Stay(2, 0.97), {"zb": 0.97}) is not None  # ... unless it offers nothing
+    # A launch at home found no capacity (dry): waited out, not left for nodes no zone has
+    # shown it can give (a make-before-break run hopped to another zone as empty, 4 3 2 4).
     dry = {locality.pool_key("p3.2xlarge", "za"): T0}
-    assert hop(Stay(2, 0.97), {"za": 0.97, "zb": 0.97}, dry=dry) is not None
+    assert hop(Stay(2, 0.97), {"za": 0.97, "zb": 0.97}, dry=dry) is None
 
 
 def test_the_hold_down_and_placement_any_keep_it_where_it_is() -> None:

@@ -227,7 +227,10 @@ def hop_for_gain(
     if placement == "any" or (last_hop is not None and now - last_hop < HOP_HOLD_DOWN):
         return None
     offered = fresh(offers, dry, now)
-    if at_home := placed(offered, placement, home, regions):
+    # Home counts as able to give them even while a launch there found no capacity (`dry`):
+    # a job that can train waits that out rather than hop for nodes no zone has shown it
+    # can give (a job short of min_nodes hops by `hop_to`).
+    if at_home := placed(offers, placement, home, regions):
         cheapest = min(o.price for o in at_home)
         stay = Stay(max(stay.nodes, wants), min(stay.price_h, cheapest))
     here = unit_of(home, placement, regions)
