@@ -1,6 +1,8 @@
 """The chaos suite's own Temporal dev server (killable, SQLite-backed) and scratch space.
 CHAOS_KEEP=1 keeps the scratch space (server and worker logs, step records) for a post-mortem.
-Whatever a scenario started is stopped when it ends, passed or failed."""
+Whatever a scenario started is stopped when it ends, passed or failed. A scenario that fails
+shows the end of the dev server's log in its report (a CI run's scratch space is gone by the
+time anyone reads it)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,30 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 
-from tests.chaos.harness import ChaosEnv, TemporalServer
+from tests.chaos.harness import ChaosEnv, TemporalServer, listens
 from tests.moto_ec2 import forget_terminated_instances
+
+LOG_TAIL_BYTES = 20_000
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    env = getattr(item, "funcargs", {}).get("chaos_env")
+    if report.failed and isinstance(env, ChaosEnv):
+        server = env.server
+        serving = server.proc is not None and listens(server.proc.pid, server.port)
+        with server.log.open("rb") as f:
+            f.seek(max(0, server.log.stat().st_size - LOG_TAIL_BYTES))
+            tail = f.read().decode(errors="replace")
+        head = f"{server.address}, pid {server.proc and server.proc.pid}, listening: {serving}"
+        report.sections.append(
+            (f"chaos dev server log, last {LOG_TAIL_BYTES} bytes", f"{head}\n{tail}")
+        )
+    return report
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
