@@ -12,7 +12,8 @@ the same root) finds everything again:
 
 Each rank runs under `workers/elastic/launcher.py` in a session of its own (the process group
 id is the launcher's pid): it outlives the controller and its exit code is recorded anyway.
-A pid alone could be recycled; a pid with its kernel start time cannot.
+A pid alone could be recycled; a pid with its kernel start time cannot. A rank's files and
+process (`Rank`, the /proc reads) are in activities/local_ranks.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from temporalio import activity
 
 from spotrain.activities.checkpoint_check import check_checkpoint
 from spotrain.activities.command_launch import launch_command
+from spotrain.activities.local_ranks import Rank, job_processes, proc_start_time, read_json, tail
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.elastic import environment, launcher
 from spotrain.elastic.job_store import JobStore, checked_store
@@ -55,7 +56,6 @@ HEAD_START = "head_start.json"  # the membership prepare_generation started rank
 HEAD_START_WAIT_S = 240.0  # for them to be up (the running generation trains meanwhile)
 LIVE_POLL_S = 0.02  # a live stop's wait for parked ranks is part of the training pause
 START_FAILURE_WAIT_S = 10.0  # for every rank of a generation that failed before its first step
-TAIL_LINES, TAIL_BYTES = 5, 2000  # of a failed rank's output, for the job's fault message
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -63,35 +63,6 @@ def _write_atomic(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> Any | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def _proc_start_time(pid: int) -> int | None:
-    """Kernel start time (clock ticks since boot) of a live, non-zombie process, else None."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
-    state, start = fields[0], int(fields[19])
-    return None if state in ("Z", "X") else start
-
-
-def _tail(log: Path, lines: int = TAIL_LINES) -> str:
-    """The last non-empty lines of a rank's log (a traceback's last lines say why it died)."""
-    try:
-        with log.open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
-            text = f.read().decode(errors="replace")
-    except FileNotFoundError:
-        return ""
-    return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
 
 
 def _heartbeat() -> None:
@@ -113,63 +84,6 @@ def _places(plan: GenerationPlan) -> Iterator[tuple[int, int, str, int]]:
         for local_rank in range(member.procs):
             yield rank, node_index, member.node_id, local_rank
             rank += 1
-
-
-def _reap(pid: int) -> None:
-    """Collect our own exited child so it does not linger as a zombie; others are not ours."""
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-@dataclass(frozen=True)
-class Rank:
-    """One rank's files, and its process as recorded when it was started."""
-
-    rank: int
-    dir: Path
-
-    @property
-    def pid_file(self) -> Path:
-        return self.dir / f"rank-{self.rank}.pid"
-
-    @property
-    def exit_file(self) -> Path:
-        return self.dir / f"rank-{self.rank}.exit"
-
-    @property
-    def log_file(self) -> Path:
-        return self.dir / f"rank-{self.rank}.log"
-
-    def record(self) -> dict[str, Any] | None:
-        return _read_json(self.pid_file)
-
-    def live_pid(self) -> int | None:
-        """Its launcher's pid if still running: same pid AND same start time (not recycled)."""
-        rec = self.record()
-        if rec is None:
-            return None
-        _reap(rec["pid"])
-        return rec["pid"] if _proc_start_time(rec["pid"]) == rec["start"] else None
-
-    def alive(self) -> bool:
-        return self.live_pid() is not None
-
-    def exit_code(self) -> int | None:
-        """Its launcher's code; an adopted rank's (live resize) is where it was launched."""
-        where = (self.record() or {}).get("exit")
-        rec = _read_json(Path(where) if where else self.exit_file)
-        return None if rec is None else rec["code"]
-
-    def signal(self, signum: int, group: bool) -> bool:
-        """Signal the launcher (which forwards) or its whole process group; False if gone."""
-        pid = self.live_pid()
-        if pid is None:
-            return False
-        try:
-            os.killpg(pid, signum) if group else os.kill(pid, signum)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 class LocalRuntime:
@@ -292,7 +206,7 @@ class LocalRuntime:
         starting now, or to take the state from peers when no survivor parked, are not this
         generation's: gone, so that it starts its own."""
         gdir = self.gen_dir(plan.job, plan.generation)
-        head_start = _read_json(gdir / HEAD_START)
+        head_start = read_json(gdir / HEAD_START)
         if head_start is None:
             return
         if not parked or head_start != plan.model_dump(mode="json", include={"members"}):
@@ -375,7 +289,7 @@ class LocalRuntime:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        start = _proc_start_time(proc.pid)
+        start = proc_start_time(proc.pid)
         if start is None:  # exited already (e.g. bad interpreter): still record who it was
             start = -1
         record = {"pid": proc.pid, "start": start, "node_id": node_id, "local_rank": local_rank}
@@ -551,7 +465,7 @@ class LocalRuntime:
         if not stepped:
             self._wait(lambda: not any(r.alive() for r in ranks), START_FAILURE_WAIT_S)
         codes = {r.rank: c for r in ranks if (c := r.exit_code()) is not None}
-        output = {r.rank: _tail(r.log_file) for r in ranks if codes.get(r.rank, 0) != 0}
+        output = {r.rank: tail(r.log_file) for r in ranks if codes.get(r.rank, 0) != 0}
         last = output.get(first.rank, "").rsplit("\n", 1)[-1]
         return WatchResult(
             outcome="failed",
@@ -581,21 +495,3 @@ class LocalRuntime:
         killed = [r for r in ranks if r.signal(signal.SIGKILL, group=True)]
         self._wait(lambda: not any(r.alive() for r in killed), self.term_grace_s)
         return bool(killed)
-
-
-def job_processes(job: str) -> list[int]:
-    """Live processes whose environment names `job` (SPOTRAIN_JOB): every rank of every
-    generation, whether or not its pid file is still there. Leak checks use it."""
-    marker = f"SPOTRAIN_JOB={job}\0".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if marker in (proc / "environ").read_bytes():
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state not in ("Z", "X"):
-                    pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids

@@ -21,7 +21,7 @@ from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.local import Rank
+from spotrain.activities.local_ranks import Rank
 from spotrain.workers.embedded.binaries import temporal_cli, temporal_test_server
 from spotrain.workflows.job import attributes
 from tests import assert_diff, warm_python

@@ -23,7 +23,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from spotrain.activities.local import job_processes
+from spotrain.activities.local_ranks import job_processes
 from spotrain.activities.simulated import SimulatedCloud, SimulatedRuntime
 from spotrain.workers.worker import workflow_worker
 from spotrain.workflows import history

@@ -402,8 +402,8 @@ PLACEMENT_BREAKS = [
     Break(
         "the hop hold-down",
         LO,
-        "if last_hop is not None and now - last_hop < HOP_HOLD_DOWN:",
-        "if False:",
+        "return self.last_hop is not None and self.now - self.last_hop < HOP_HOLD_DOWN",
+        "return False",
         PLC("test_the_hold_down_keeps_a_flickering_market_from_making_a_job_flap"),
     ),
     Break(

@@ -40,7 +40,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Replayer
 
 from spotrain.activities.ec2_ownership import LIVE_STATES, TAG_JOB, TAG_SLOT
-from spotrain.activities.local import job_processes
+from spotrain.activities.local_ranks import job_processes
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.embedded.binaries import temporal_cli
 from spotrain.workers.embedded.stack import free_port

@@ -16,7 +16,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from spotrain.activities.local import LocalRuntime, Rank, _proc_start_time
+from spotrain.activities.local import LocalRuntime
+from spotrain.activities.local_ranks import Rank, proc_start_time
 from spotrain.elastic.job_store import JobStore
 from spotrain.workflows.contract import (
     CONFIG_ERROR,
@@ -147,7 +148,7 @@ def pids(rt: LocalRuntime, p: GenerationPlan) -> list[int]:
 
 
 def running(pid: int) -> bool:
-    return _proc_start_time(pid) is not None
+    return proc_start_time(pid) is not None
 
 
 def test_start_is_idempotent_and_sets_the_worker_environment(
@@ -304,7 +305,7 @@ def test_completed_waits_until_every_launcher_has_exited(
     # recorded under its pid file (its exit file, and the done marker, are already there).
     lingering = subprocess.Popen(["sleep", "30"], start_new_session=True)
     rank1 = rt._ranks(p.job, p.generation)[1]
-    start = _proc_start_time(lingering.pid)
+    start = proc_start_time(lingering.pid)
     rank1.pid_file.write_text(f'{{"pid": {lingering.pid}, "start": {start}, "node_id": "node-a"}}')
     assert rank1.exit_code() == 0
     assert env.run(rt.watch_generation, watch_req(p, report_after_s=0.3)).outcome == "progress"

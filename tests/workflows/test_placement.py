@@ -58,6 +58,16 @@ def test_placed_keeps_the_offers_of_the_home_zone_or_region() -> None:
     assert locality.region_of("us-west-2-lax-1a", REGIONS) == "us-west-2"
 
 
+MARKET_FIELDS = ("offers", "dry", "regions", "last_hop", "now")
+
+
+def with_market(args: dict[str, object], changes: dict[str, object]) -> dict[str, object]:
+    """`args | changes` with the market's fields (`locality.Market`) gathered into one."""
+    merged = args | changes
+    fields = {k: merged.pop(k) for k in MARKET_FIELDS if k in merged}
+    return merged | {"market": locality.Market(**fields)}  # type: ignore[arg-type]
+
+
 def hop(**changes: object) -> locality.Hop | None:
     args: dict[str, object] = {
         "placement": "zone",
@@ -71,7 +81,7 @@ def hop(**changes: object) -> locality.Hop | None:
         "last_hop": None,
         "now": T0,
     }
-    return hop_to(**(args | changes))  # type: ignore[arg-type]
+    return hop_to(**with_market(args, changes))  # type: ignore[arg-type]
 
 
 def test_a_job_hops_only_when_its_zone_cannot_give_it_min_nodes_and_another_can() -> None:

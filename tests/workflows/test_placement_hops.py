@@ -25,7 +25,7 @@ from spotrain.workflows.policies.deadline import DeadlineState
 from spotrain.workflows.policies.locality import Stay, hop_for_gain, weigh_move
 from spotrain.workflows.spec import SpotPolicy
 from tests.jobs import job_spec, record_history, simulated
-from tests.workflows.test_placement import state_with
+from tests.workflows.test_placement import state_with, with_market
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 OD = 3.06  # p3.2xlarge on demand: what a node-hour of training is worth
@@ -57,7 +57,7 @@ def hop(
         "last_hop": None,
         "now": T0,
     }
-    return hop_for_gain(**(args | changes))  # type: ignore[arg-type]
+    return hop_for_gain(**with_market(args, changes))  # type: ignore[arg-type]
 
 
 def test_more_nodes_for_less_pays_a_small_saving_does_not() -> None:
@@ -319,10 +319,11 @@ def gather(zones: list[str], **changes: object) -> locality.Hop | None:
         "move_s": MOVE_S,
         "offers": offers_of({"za": 0.97, "zb": 0.97}),
         "dry": {},
+        "regions": [],
         "last_hop": None,
         "now": T0,
     }
-    return locality.gather_to(**(args | changes))  # type: ignore[arg-type]
+    return locality.gather_to(**with_market(args, changes))  # type: ignore[arg-type]
 
 
 def test_a_job_spread_over_zones_gathers_where_most_of_it_is_when_that_pays() -> None:

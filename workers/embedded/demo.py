@@ -25,7 +25,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from spotrain.activities.local import LocalRuntime, job_processes
+from spotrain.activities.local import LocalRuntime
+from spotrain.activities.local_ranks import job_processes
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.cli.support import CliError, query_status
 from spotrain.workers.embedded.stack import CHECKPOINT_BUCKET, Stack, StackConfig

@@ -163,11 +163,7 @@ def placed(
             held=len(held),
             min_nodes=state.spec.elastic.min_nodes,
             state_in_memory=state.held,
-            offers=offers,
-            dry=state.dry_pools,
-            regions=regions,
-            last_hop=state.last_hop_at,
-            now=now,
+            market=market(state, offers, now),
         )
     if hop is not None:
         home = hop.to
@@ -200,11 +196,7 @@ def hop_for_gain(
         wants=max(len(alive), state.allowed - base),
         worth_h=sum(n.on_demand_price for n in alive) / len(alive),
         move_s=move_s,
-        offers=billed(state, offers),
-        dry=state.dry_pools,
-        regions=state.spec.spot.regions,
-        last_hop=state.last_hop_at,
-        now=now,
+        market=market(state, billed(state, offers), now),
     )
 
 
@@ -228,8 +220,17 @@ def gathering(
         crossing_usd_h=per_step.cost * rate,
         worth_h=sum(n.on_demand_price for n in members) / len(members),
         move_s=move_s,
-        offers=billed(state, offers),
+        market=market(state, billed(state, offers), now),
+    )
+
+
+def market(state: JobState, offers: list[Offer], now: datetime) -> locality.Market:
+    """The market a move of the job is weighed in: `offers`, and the job's dry pools,
+    regions and last hop."""
+    return locality.Market(
+        offers=offers,
         dry=state.dry_pools,
+        regions=state.spec.spot.regions,
         last_hop=state.last_hop_at,
         now=now,
     )

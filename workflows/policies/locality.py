@@ -117,6 +117,30 @@ def still_dry(dry: dict[str, datetime], now: datetime) -> dict[str, datetime]:
 
 
 @dataclass(frozen=True)
+class Market:
+    """What every move is weighed in (`hop_to`, `hop_for_gain`, `gather_to`): the spot
+    offers, the pools a launch found empty (`dry`: pool_key -> when), the regions zones are
+    named under, when the job last moved (None: never) and now."""
+
+    offers: list[Offer]
+    dry: dict[str, datetime]
+    regions: Sequence[str]
+    last_hop: datetime | None
+    now: datetime
+
+    @property
+    def held_down(self) -> bool:
+        """Within `HOP_HOLD_DOWN` of the last move, so a flickering market cannot make a job
+        flap."""
+        return self.last_hop is not None and self.now - self.last_hop < HOP_HOLD_DOWN
+
+    @property
+    def offered(self) -> list[Offer]:
+        """The offers less the pools found dry (`fresh`)."""
+        return fresh(self.offers, self.dry, self.now)
+
+
+@dataclass(frozen=True)
 class Hop:
     to: str  # the zone to buy in
     why: str
@@ -129,24 +153,20 @@ def hop_to(
     held: int,
     min_nodes: int,
     state_in_memory: bool,
-    offers: list[Offer],
-    dry: dict[str, datetime],
-    regions: Sequence[str],
-    last_hop: datetime | None,
-    now: datetime,
+    market: Market,
 ) -> Hop | None:
     """Move the job when its home cannot give it `min_nodes`: it holds fewer (`held` live
-    nodes), its zone or region offers no spot pool now that is not `dry`, and another does.
-    Not within
-    `HOP_HOLD_DOWN` of the last hop, and not while parked ranks hold the state (leaving would
-    throw it away)."""
+    nodes), its zone or region offers no spot pool now that is not dry, and another does.
+    Not while held down (`Market.held_down`), and not while parked ranks hold the state
+    (leaving would throw it away)."""
     if placement == "any" or home is None or held >= min_nodes or state_in_memory:
         return None
-    if last_hop is not None and now - last_hop < HOP_HOLD_DOWN:
+    if market.held_down:
         return None
-    if fresh(placed(offers, placement, home, regions), dry, now):
+    regions = market.regions
+    if fresh(placed(market.offers, placement, home, regions), market.dry, market.now):
         return None  # home still offers: wait for it
-    away = home_zone([], fresh(offers, dry, now))
+    away = home_zone([], market.offered)
     if away is None:
         return None
     where = "region" if placement == "region" else "zone"
@@ -210,32 +230,28 @@ def hop_for_gain(
     wants: int,
     worth_h: float,
     move_s: float,
-    offers: list[Offer],
-    dry: dict[str, datetime],
-    regions: Sequence[str],
-    last_hop: datetime | None,
-    now: datetime,
+    market: Market,
 ) -> Hop | None:
     """Move a job that can train (`stay`: its nodes at home) to the zone (or region) whose
-    move pays most (`weigh_move`), if any pays. Each other zone that offers spot (not `dry`)
+    move pays most (`weigh_move`), if any pays. Each other zone that offers spot (not dry)
     is taken to give the `wants` nodes the job would hold, at its cheapest offer's price
-    (`offers`: the prices the job would be billed); its home, if it still offers, to give
-    them too, at the price it pays now or its own cheapest offer's, whichever is lower (a
-    job that holds a mix of types must not move for a price its home offers too: it would
-    buy the same mix there and move again), else only the nodes it holds. Not within
-    `HOP_HOLD_DOWN` of the last hop."""
-    if placement == "any" or (last_hop is not None and now - last_hop < HOP_HOLD_DOWN):
+    (the market's offers are at the prices the job would be billed); its home, if it still
+    offers, to give them too, at the price it pays now or its own cheapest offer's, whichever
+    is lower (a job that holds a mix of types must not move for a price its home offers too:
+    it would buy the same mix there and move again), else only the nodes it holds. Not while
+    held down."""
+    if placement == "any" or market.held_down:
         return None
-    offered = fresh(offers, dry, now)
-    # Home counts as able to give them even while a launch there found no capacity (`dry`):
+    regions = market.regions
+    # Home counts as able to give them even while a launch there found no capacity (dry):
     # a job that can train waits that out rather than hop for nodes no zone has shown it
     # can give (a job short of min_nodes hops by `hop_to`).
-    if at_home := placed(offers, placement, home, regions):
+    if at_home := placed(market.offers, placement, home, regions):
         cheapest = min(o.price for o in at_home)
         stay = Stay(max(stay.nodes, wants), min(stay.price_h, cheapest))
     here = unit_of(home, placement, regions)
     best: tuple[float, Offer, Weighed] | None = None
-    for o in offered:
+    for o in market.offered:
         if not o.zone or unit_of(o.zone, placement, regions) == here:
             continue
         w = weigh_move(stay, Stay(wants, o.price), worth_h=worth_h, move_s=move_s)
@@ -260,20 +276,17 @@ def gather_to(
     crossing_usd_h: float,
     worth_h: float,
     move_s: float,
-    offers: list[Offer],
-    dry: dict[str, datetime],
-    last_hop: datetime | None,
-    now: datetime,
+    market: Market,
 ) -> Hop | None:
     """A job spread over zones (`placement: any`; its members' `zones` and `prices`) gathers
-    in one: of the zones it is in that offer spot (not `dry`), the one that holds most of
+    in one: of the zones it is in that offer spot (not dry), the one that holds most of
     its members, when the move pays (`weigh_move`, the same rule as a hop): staying, a
     node-hour costs its price plus its share of the ring's traffic across zones
     (`crossing_usd_h`); gathered, the nodes from other zones are bought there at its
-    cheapest offer. Not within `HOP_HOLD_DOWN` of the last hop."""
-    if len(set(zones)) < 2 or (last_hop is not None and now - last_hop < HOP_HOLD_DOWN):
+    cheapest offer. Not while held down."""
+    if len(set(zones)) < 2 or market.held_down:
         return None
-    offered = fresh(offers, dry, now)
+    offered = market.offered
     home = home_zone([z for z in zones if any(o.zone == z for o in offered)], [])
     if home is None:
         return None
