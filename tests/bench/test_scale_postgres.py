@@ -30,14 +30,18 @@ def test_scale_runs_on_postgres_and_stops_every_process(tmp_path: Path) -> None:
     report = scale.main(
         [
             *("--server", "postgres", "--jobs", "3", "--workers", "2"),
-            *("--duration-s", "6", "--reclaim-every-s", "2", "--suggest-can", "100"),
+            *("--duration-s", "6", "--reclaim-every-s", "2", "--suggest-can", "50"),
             *("--out", str(tmp_path)),
         ]
     )
     (row,) = report["rows"]
     assert row["server"] == "postgres" and row["reclaims"] >= 3, row
     assert row["reaction_ms"]["n"] == row["reclaims"]
-    assert row["continued_as_new"] >= 1 and row["under_limits"]  # the dynamic config applies
+    # The dynamic config applies. A reclaim cycle takes more than 50 events (73 a cycle, 10
+    # continuations for 8 reclaims of 3 jobs, on the dev server), so one reclaim is enough
+    # however slow the machine: at 100, three jobs through one reclaim each at load 24
+    # stayed under it (99 events) and the test failed.
+    assert row["continued_as_new"] >= 1 and row["under_limits"]
     assert row["server_cpu_s_per_reclaim"] > 0  # temporal-server and PostgreSQL measured
 
 
