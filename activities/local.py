@@ -39,6 +39,7 @@ from spotrain.activities.command_launch import launch_command
 from spotrain.activities.local_ranks import Rank, job_processes, proc_start_time, read_json, tail
 from spotrain.activities.notice import raise_elastic_event, rank_notices, reset_control
 from spotrain.elastic import environment, launcher
+from spotrain.elastic.control import STORE_POLL_ENV
 from spotrain.elastic.job_store import JobStore, checked_store
 from spotrain.workflows import contract
 from spotrain.workflows.contract import (
@@ -55,6 +56,7 @@ POLL_S = 0.25
 HEAD_START = "head_start.json"  # the membership prepare_generation started ranks for
 HEAD_START_WAIT_S = 240.0  # for them to be up (the running generation trains meanwhile)
 LIVE_POLL_S = 0.02  # a live stop's wait for parked ranks is part of the training pause
+STORE_POLL_S = 1.0  # the store's control record, behind the control file (control.py)
 START_FAILURE_WAIT_S = 10.0  # for every rank of a generation that failed before its first step
 
 
@@ -234,6 +236,9 @@ class LocalRuntime:
             plan, node_index, local_rank, master_port=port, control_file=control
         )
         env["MASTER_ADDR"] = "127.0.0.1"  # every "node" of this runtime is this machine
+        # The control file, written with the store's record, is polled every 0.05 s: the
+        # record is the backup (stop_generation writes both again when retried).
+        env[STORE_POLL_ENV] = str(STORE_POLL_S)
         if plan.resize == "live":
             env[environment.RESIZE] = "live"
         return env

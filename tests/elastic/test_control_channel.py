@@ -353,13 +353,18 @@ async def wait_status(
 
 
 def test_the_poll_interval_follows_what_a_poll_costs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stat is polled 5x as often as a billed S3 GET; the environment's setting wins."""
+    """A stat is polled 5x as often as a billed S3 GET; the environment's setting wins, and a
+    runtime whose control file is prompt slows a billed store's poll only."""
     monkeypatch.delenv(control.POLL_ENV, raising=False)
+    monkeypatch.delenv(control.STORE_POLL_ENV, raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     file_store, s3_store = JobStore("file:///tmp/spotrain-poll"), JobStore("s3://chan/jobs/chan")
     assert control.poll_interval(file_store) == control.LOCAL_POLL_S == 0.05
     assert control.poll_interval(s3_store) == control.S3_POLL_S == 0.25
     assert control.poll_interval() == 0.05  # the runtime's control file
+    monkeypatch.setenv(control.STORE_POLL_ENV, "1")
+    assert control.poll_interval(s3_store) == 1.0
+    assert control.poll_interval(file_store) == control.poll_interval() == 0.05
     monkeypatch.setenv(control.POLL_ENV, "0.5")
     assert control.poll_interval(file_store) == control.poll_interval(s3_store) == 0.5
     assert control.poll_interval() == 0.5

@@ -38,13 +38,15 @@ WORKER = textwrap.dedent(
     """
     import os, signal, sys, time
     from spotrain import elastic
+    from spotrain.elastic.control import STORE_POLL_ENV
 
     mode = sys.argv[1]
     s = elastic.wait_for_gang()
     latest = elastic.latest_checkpoint()
     step = latest["step"] if latest else 0
     print(f"rank={s.rank} world={s.world_size} node={s.node_id} "
-          f"port={os.environ['MASTER_PORT']} batch={s.local_batch_size} from={step}", flush=True)
+          f"port={os.environ['MASTER_PORT']} batch={s.local_batch_size} from={step} "
+          f"s3_poll={os.environ.get(STORE_POLL_ENV)}", flush=True)
     # stands in for DDP's first collective: no rank steps (and checkpoints) before every rank
     # has read where to resume, else a late rank resumes from its peers' new checkpoint
     here = os.path.dirname(os.path.abspath(__file__))
@@ -164,10 +166,11 @@ def test_start_is_idempotent_and_sets_the_worker_environment(
     wait_for(env, rt, p, 1)
     heads = first_lines(rt, p)
     port = (rt.gen_dir("job", 0) / "master_port").read_text()
+    # the control file is the prompt channel here: an S3 store's record is polled each second
     assert heads == [
-        f"rank=0 world=3 node=node-a port={port} batch=3 from=0",
-        f"rank=1 world=3 node=node-a port={port} batch=3 from=0",
-        f"rank=2 world=3 node=node-b port={port} batch=4 from=0",
+        f"rank=0 world=3 node=node-a port={port} batch=3 from=0 s3_poll=1.0",
+        f"rank=1 world=3 node=node-a port={port} batch=3 from=0 s3_poll=1.0",
+        f"rank=2 world=3 node=node-b port={port} batch=4 from=0 s3_poll=1.0",
     ]
 
     result = env.run(rt.stop_generation, stop_req(p, graceful=False))
