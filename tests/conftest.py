@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,8 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     """Each test's CPU (setup, call and teardown; a shared server's start counts for the first
     test that asks for it) as the JUnit property `cpu_s`, which `python -m tests.durations`
-    sums up beside the wall time. The test process's last teardown also ends its shared
+    sums up beside the wall time, with when and in which test process it ended (the
+    timeline). The test process's last teardown also ends its shared
     servers, reaping their CPU and their forks' for the whole run: that goes apart, as
     `session_end_cpu_s`, not to the test that happened to be last."""
     before = cpu_s()
@@ -101,6 +103,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     finally:
         end = cpu_s() if nextitem is not None else before
         item.user_properties.append(("cpu_s", round(end - item.stash[cpu_at_setup], 2)))
+        # when and where it ended: the timeline of each test process, and the run's tail
+        item.user_properties.append(("ended_at", round(time.time(), 2)))
+        item.user_properties.append(("worker", os.environ.get("PYTEST_XDIST_WORKER", "main")))
         if nextitem is None:
             item.user_properties.append(("session_end_cpu_s", round(cpu_s() - before, 2)))
 

@@ -21,7 +21,7 @@ from temporalio.service import KeepAliveConfig, RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from tests.assert_diff import MAX_RUNS
-from tests.durations import durations
+from tests.durations import durations, timeline
 from tests.jobs import unpinged_client
 
 
@@ -124,9 +124,11 @@ def server():
 
 def test_the_cpu_reaped_at_a_test_process_end_is_no_tests(tmp_path: Path) -> None:
     """The last test's teardown ends the shared servers and reaps a whole run's CPU: that is
-    recorded apart (`session_end_cpu_s`), not as the last test's `cpu_s`."""
+    recorded apart (`session_end_cpu_s`), not as the last test's `cpu_s`. And the run's
+    timeline: one test process, its tests' time (a 0.3 s sleep in one) within its span."""
     (tmp_path / "conftest.py").write_text(REAPS_AT_THE_END)
-    tests = "def test_a(server):\n    pass\n\n\ndef test_b():\n    pass\n"
+    tests = "import time\n\n\ndef test_a(server):\n    pass\n\n\n"
+    tests += "def test_b():\n    time.sleep(0.3)\n"
     (tmp_path / "test_two.py").write_text(tests)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--junitxml=report.xml"],
@@ -140,3 +142,5 @@ def test_the_cpu_reaped_at_a_test_process_end_is_no_tests(tmp_path: Path) -> Non
     cpu = durations(tmp_path / "report.xml", "cpu_s")
     ends = durations(tmp_path / "report.xml", "session_end_cpu_s")
     assert len(cpu) == 2 and max(cpu.values()) < 0.3 < sum(ends.values()), (cpu, ends)
+    ((worker, (first, last, busy)),) = timeline(tmp_path / "report.xml").items()
+    assert worker == "main" and first == 0 and 0.3 <= busy <= last + 0.02, (first, last, busy)
