@@ -163,6 +163,26 @@ async def until(check: Any, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+async def start_at_full_size(
+    client: Client, runtime: NotifiedRuntime, names: list[str], queue: str, progress_s: float
+) -> None:
+    """Start the jobs, 50 at a time, and wait until each runs on all its nodes."""
+    for start in range(0, len(names), 50):
+        await asyncio.gather(
+            *(
+                client.start_workflow(
+                    "TrainingJob", job_spec(n, progress_s), id=n, task_queue=queue
+                )
+                for n in names[start : start + 50]
+            )
+        )
+    await until(
+        lambda: all(runtime.full_generation(n) for n in names),
+        60 + len(names) * 0.5,
+        "every job running at full size",
+    )
+
+
 async def post_mortem(client: Client, runtime: NotifiedRuntime) -> str:
     """What each job still waiting for its reaction last did, for a failure message."""
     lines = []
@@ -236,20 +256,7 @@ async def one_size(
                     max_concurrent_activities=slots,
                 ),
             ):
-                for start in range(0, jobs, 50):
-                    await asyncio.gather(
-                        *(
-                            client.start_workflow(
-                                "TrainingJob", job_spec(n, progress_s), id=n, task_queue=queue
-                            )
-                            for n in names[start : start + 50]
-                        )
-                    )
-                await until(
-                    lambda: all(runtime.full_generation(n) for n in names),
-                    60 + jobs * 0.5,
-                    "every job running at full size",
-                )
+                await start_at_full_size(client, runtime, names, queue, progress_s)
                 events_before = sum(await history_events(client, names))
                 worker_before = [cpu_s(pid) for pid in pids]
                 server_before = {pid: cpu_s(pid) for pid in running.pids()}
