@@ -57,6 +57,7 @@ from .goodput_model import (
     all_on_demand,
     fixed_at_available,
     fixed_restart,
+    hop_seconds,
     no_capacity,
     one_zone_baselines,
     oracle,
@@ -290,6 +291,16 @@ class Run:
             (g for job in self.runtime.jobs.values() for g in job.generations.values()),
             key=lambda g: g.started_at,
         )
+        stepped = {h[0] for job in self.runtime.jobs.values() for h in job.history if h[3] > h[2]}
+        hops = hop_seconds(  # (the timeline keeps its last 400 entries: hops_timed says)
+            [e.time for e in result.timeline if e.event == "zone hop"],
+            [t for t, world in self.runtime.worlds if world == 0],
+            [
+                g.started_at + timedelta(seconds=g.startup_s)
+                for g in gens
+                if g.plan.generation in stepped
+            ],
+        )
         return Row(
             policy,
             "workflow",
@@ -301,6 +312,8 @@ class Run:
             reclaims=result.reclaims,
             swapped=result.swapped,
             hops=result.hops,
+            hop_s=hops[0],
+            hop_move_s=hops[1],
             transfer=ring_transfer(
                 self.runtime.rings,
                 {i: n.info.zone for i, n in self.cloud.nodes.items()},

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -153,6 +154,9 @@ COLUMNS = [  # the table's, of Row.report's
     "steps_lost",
     "swapped",
     "hops_per_day",
+    "hop_s_p50",
+    "hop_s_max",
+    "hop_move_s_max",
     "transfer_usd",
     "cost_with_transfer",
     "recommended",
@@ -202,6 +206,24 @@ def ring_transfer(
     return total
 
 
+def hop_seconds(
+    hops: Sequence[datetime], stops: Sequence[datetime], trains: Sequence[datetime]
+) -> tuple[list[float], list[float]]:
+    """Each hop's time not training: from the last stop of training at or before the hop
+    (a hop that pays stops it; a job left with no node hops once the last one is gone, and
+    may have waited for capacity since), and from the hop itself (issue 49's target: at most
+    a checkpoint, a boot and a start-up), to the first step after it. `trains`: when each
+    generation that made a step made its first."""
+    down, moving = [], []
+    for at in hops:
+        before = [t for t in stops if t <= at]
+        after = [t for t in trains if t >= at]
+        if before and after:
+            down.append((min(after) - max(before)).total_seconds())
+            moving.append((min(after) - at).total_seconds())
+    return down, moving
+
+
 def spread(setup: Setup, offset_s: float, nodes: int) -> list[str]:
     """The zones of `nodes` nodes a job spanning the traces' zones holds at `offset_s`, in
     rank order: the zones offering most first, each filled before the next (so the ring
@@ -226,6 +248,8 @@ class Row:
     reclaims: int = 0  # nodes taken by the cloud while the job held them
     swapped: int = 0  # warned nodes replaced make-before-break (one resize each)
     hops: int = 0  # moves to another zone (spotrain with --placement zone)
+    hop_s: list[float] = field(default_factory=list)  # each timed hop: stop to first step
+    hop_move_s: list[float] = field(default_factory=list)  # ... from the hop to its first step
     transfer: Transfer = field(default_factory=Transfer)  # sent across zones, GB and USD
     run_s: float = 0.0
     retries: int = 0  # runs of this policy abandoned on a wedged test server
@@ -274,6 +298,13 @@ class Row:
             "reclaims": self.reclaims,
             "swapped": self.swapped,
             "hops_per_day": 24 * self.hops / self.wall_h if self.wall_h else 0.0,
+            "hops_timed": len(self.hop_s),
+            "hop_s_p50": statistics.median(self.hop_s) if self.hop_s else None,
+            "hop_s_max": max(self.hop_s, default=None),
+            "hop_s": [round(s, 1) for s in self.hop_s],
+            "hop_move_s_p50": statistics.median(self.hop_move_s) if self.hop_move_s else None,
+            "hop_move_s_max": max(self.hop_move_s, default=None),
+            "hop_move_s": [round(s, 1) for s in self.hop_move_s],
             "transfer_gb": self.transfer.zone_gb,
             "transfer_usd": self.transfer.usd,
             "cost_with_transfer": cost + self.transfer.usd,
@@ -393,13 +424,16 @@ def restarting(setup: Setup, policy: str, place: Place, on_notice: bool, hop: bo
     """A job that restarts from a checkpoint whenever `place` moves it: a drop goes back to
     the last periodic checkpoint (or, `on_notice`, to the step a checkpoint on the notice
     saved, when it fits), a rise checkpoints first; each start pays a boot and a start-up.
-    `hop`: a start in another zone than the last run's counts as a hop."""
+    `hop`: a start in another zone than the last run's counts as a hop, timed from the stop
+    before it to its first step (boot and start-up)."""
     every = setup.checkpoint_every
     saves = on_notice and setup.notice_s > 0 and setup.notice_checkpoint_fits()
     started: float | None = None
     start_step, checkpoint, lost, restarts, reclaimed, hops, paid = 0, 0, 0, 0, 0, 0, 0.0
     zones: list[str] = []
-    rate, moved, series = 0.0, Transfer(), []
+    rate, moved, series, stopped = 0.0, Transfer(), [], 0.0
+    hop_s: list[float] = []
+    hop_move_s: list[float] = []
     for start, end, avail in setup.segments():
         want, still_there = place(start, avail, zones, started is not None)
         if started is not None and want != zones:  # stop, back to a checkpoint
@@ -408,10 +442,13 @@ def restarting(setup: Setup, policy: str, place: Place, on_notice: bool, hop: bo
             checkpoint = step if saves or grows else max(start_step, step - step % every)
             lost += step - checkpoint
             reclaimed += max(0, len(zones) - still_there)
-            started = None
+            started, stopped = None, start
             series.append((start / 3600, 0))
         if started is None and want:
-            hops += hop and bool(zones) and want[0] != zones[0]
+            if hop and zones and want[0] != zones[0]:
+                hops += 1
+                hop_s.append(start - stopped + setup.start_s)
+                hop_move_s.append(setup.start_s)  # (it moves as soon as a zone has room)
             zones, started, start_step = want, start, checkpoint
             rate = setup.steps_per_hour(len(zones)) / 3600 / slowdown(setup, zones)
             restarts += 1
@@ -434,6 +471,8 @@ def restarting(setup: Setup, policy: str, place: Place, on_notice: bool, hop: bo
                 restarts - 1,
                 reclaimed,
                 hops=hops,
+                hop_s=hop_s,
+                hop_move_s=hop_move_s,
                 transfer=moved,
                 series=series,
                 startup_s=(restarts - 1) * setup.start_s,

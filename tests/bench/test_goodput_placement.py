@@ -18,6 +18,7 @@ from bench.goodput import RecordingRuntime
 from bench.goodput_model import (
     Setup,
     fixed_restart,
+    hop_seconds,
     one_zone_baselines,
     oracle,
     ring_transfer,
@@ -119,10 +120,26 @@ def test_the_fixed_job_that_hops_restarts_in_a_zone_that_holds_it_all(tmp_path: 
     stays = fixed_restart(replace(setup, traces=traces[:1]), on_notice=True)
     assert stays.wall_h > hopping.wall_h + 1.9  # it waited out a's 2 h at 1 node
     assert hopping.wall_h == pytest.approx(3 + 2 * setup.start_s / 3600, abs=0.01)
+    # a stops at 2 h and b holds it at once: the hop is one boot and one start-up
+    assert hopping.hop_s == hopping.hop_move_s == [setup.start_s]
+    assert hopping.report(setup, hopping.wall_h)["hop_s_max"] == setup.start_s
     # both zones hold it again at once (b listed first): it restarts where it was
     both = traces_of(tmp_path, {"us-test-1b": [0] * 36 + [4] * 60, "us-test-1a": a[:36] + [4] * 60})
     back = fixed_restart(replace(setup, traces=both), on_notice=True, hop=True)
     assert (back.hops, back.resizes) == (0, 1)
+
+
+def test_a_hop_is_timed_from_the_last_stop_and_from_itself_to_the_first_step() -> None:
+    """Two hops: one that stops training itself (stop and hop at once, 150 s to the next
+    first step), one after the job lost its last node at 1000 s and waited for capacity
+    until it hopped at 1600 s (100 s to the next first step). A generation that made no step
+    is not in `trains`; a hop with no first step after it is not timed."""
+
+    def at(*seconds: float) -> list[datetime]:
+        return [T0 + timedelta(seconds=x) for x in seconds]
+
+    down, moving = hop_seconds(hops=at(10, 1600, 5000), stops=at(10, 1000), trains=at(5, 160, 1700))
+    assert (down, moving) == ([150.0, 700.0], [150.0, 100.0])
 
 
 def test_spotrains_simulated_ring_across_zones_steps_slower() -> None:
