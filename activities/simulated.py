@@ -266,6 +266,8 @@ class SimJob:
     held_step: int | None = None  # live resize: the step the parked ranks hold
     held_kind: str = "shrink"  # live resize: what parked them ("shrink" on notice, or "loss")
     held_nodes: set[str] = field(default_factory=set)  # the nodes of the parked ranks
+    # live resize: the start-up (or pause) the parked ranks still had before their first step
+    held_starting_s: float = 0.0
     prepared: set[str] = field(default_factory=set)  # joiners given a head start
     history: list[tuple[int, int, int, int]] = field(default_factory=list)  # gen, world, from, to
 
@@ -325,7 +327,10 @@ class SimulatedRuntime:
             if plan.generation in job.generations:  # idempotent
                 return
             if plan.resize == "live" and job.held_step is not None:  # resume from memory
-                gen = SimGeneration(plan, _now(), job.held_step, self.live_pause_s(job, plan))
+                # ranks parked while still starting (a cold restart's import, say) finish it
+                # first: the resize's own pause does not cut it short
+                pause = max(self.live_pause_s(job, plan), job.held_starting_s)
+                gen = SimGeneration(plan, _now(), job.held_step, pause)
             else:  # from the checkpoint, once written
                 start = max(_now(), job.written_at or _now())
                 gen = SimGeneration(plan, start, job.checkpoint_step, self.restart_cost_s)
@@ -362,6 +367,8 @@ class SimulatedRuntime:
                 held = step
                 job.held_step, job.held_kind = step, "shrink" if req.graceful else "loss"
                 job.held_nodes = survivors
+                running_s = (_now() - gen.started_at).total_seconds()
+                job.held_starting_s = max(0.0, gen.startup_s - running_s)
             ranks = list(range(gen.plan.world_size)) if acks or held is not None else []
             return StopResult(
                 acked_ranks=ranks,

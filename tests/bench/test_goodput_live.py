@@ -229,6 +229,27 @@ def test_live_mode_resumes_from_memory_after_the_measured_pause(
     assert rt.jobs["j"].generations[5].startup_s == 102.0
 
 
+def test_ranks_parked_while_starting_finish_their_start_up_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live resize 30 s into a cold 100 s start-up leaves 70 s of it: the next generation
+    trains after those, not after the resize's 2 s pause (every live goodput row before
+    this skipped the rest of such start-ups)."""
+    clock, rt = Clock(monkeypatch), runtime()
+    rt.start_generation(plan(1, ["a", "b"], "live"))
+    clock.skip(30)
+    noticed = rt.stop_generation(stop(1, 2, graceful=True, live=True, lost=[]))
+    assert (noticed.step, noticed.held_step) == (0, 0)
+    rt.prepare_generation(plan(2, ["a", "b", "c"], "live"))
+    rt.start_generation(plan(2, ["a", "b", "c"], "live"))
+    assert rt.jobs["j"].generations[2].startup_s == 70.0
+    clock.skip(100)  # 70 s of start-up left, then 30 s at 3 steps/s
+    again = rt.stop_generation(stop(2, 3, graceful=True, live=True, lost=[]))
+    assert again.held_step == 90
+    rt.start_generation(plan(3, ["a", "b"], "live"))  # started long ago: the shrink's pause
+    assert rt.jobs["j"].generations[3].startup_s == 0.5
+
+
 def test_a_world_lost_whole_goes_back_to_the_last_checkpoint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
