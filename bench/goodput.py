@@ -46,10 +46,10 @@ from spotrain.workflows.contract import (
 )
 from spotrain.workflows.job.state import JobResult, JobStatus
 
-from .common import REPO, publish, table
+from .common import publish, table
 from .goodput_args import parse_args
 from .goodput_harness import RowLog, RunFn, Wedged, check_not_skipped, on_fresh_server
-from .goodput_live import lognormal_boot, measured_live_pauses
+from .goodput_live import lognormal_boot, measured_live_pauses, shown_path
 from .goodput_model import (
     COLUMNS,
     Row,
@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "deadline_h": setup.deadline_s() / 3600,
             "total_steps": setup.total_steps,
             "live_pauses": asdict(pauses),
-            "live_pauses_from": str(pauses_from.relative_to(REPO)),
+            "live_pauses_from": shown_path(pauses_from),
         },
         "prices": [vars(p) for p in args.prices],  # per trace: what its nodes cost, and why
         "load_average": os.getloadavg(),

@@ -118,6 +118,13 @@ def measured_live_pauses(state_gb: float, live_results: str = "") -> tuple[LiveP
     return live_pauses(state_gb, live_medians(path), handover_points(), gb), path
 
 
+def shown_path(path: Path) -> str:
+    """`path` as a report states it: relative to the repository where it lies inside it (a
+    relative `--live-resize-results` is read from the working directory), else absolute."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(resolved)
+
+
 def lognormal_boot(median_s: float, sigma: float, seed: int) -> Callable[[], float]:
     """Boot-to-ready delays: lognormal with this median and shape (sigma of the log), one
     draw per launched node, reproducible by `seed`."""

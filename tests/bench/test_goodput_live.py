@@ -279,3 +279,16 @@ def test_restart_mode_restarts_and_a_loss_rolls_back(monkeypatch: pytest.MonkeyP
     assert (noticed.checkpoint_step, noticed.held_step) == (1050, None)
     rt.start_generation(plan(3, ["a"], "restart"))  # loads once the 10 s save is written
     assert rt.jobs["j"].generations[3].started_at == clock.now + timedelta(seconds=10)
+
+
+def test_the_report_names_a_pauses_file_given_relative_or_absolute(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # --live-resize-results bench/results/live_resize.json (relative, as bench/README.md
+    # writes it) once stopped the benchmark at its report, after every row had run
+    monkeypatch.chdir(goodput_live.REPO)
+    relative = Path("bench/results/live_resize.json")
+    assert goodput_live.shown_path(relative) == "bench/results/live_resize.json"
+    assert goodput_live.shown_path(goodput_live.REPO / relative) == str(relative)
+    outside = tmp_path / "live_resize_elsewhere.json"
+    assert goodput_live.shown_path(outside) == str(outside.resolve())
