@@ -19,6 +19,7 @@ SCRIPTS = (
     "reaction",
     "karpenter",
     "scale",
+    "storm",
     "webhook_burst",
 )
 WRITTEN_BY = {"goodput_wedge_check": "wedge_check"}  # files named for what they check
