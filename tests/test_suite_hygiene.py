@@ -133,7 +133,9 @@ def test_the_cpu_reaped_at_a_test_process_end_is_no_tests(tmp_path: Path) -> Non
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--junitxml=report.xml"],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        # (not an xdist worker, though it runs in one: no PYTEST_XDIST_WORKER to inherit)
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+        | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         capture_output=True,
         text=True,
         timeout=120,
