@@ -163,6 +163,35 @@ async def until(check: Any, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+@contextlib.asynccontextmanager
+async def jobs_at_full_size(
+    client: Client,
+    cloud: SimulatedCloud,
+    runtime: NotifiedRuntime,
+    names: list[str],
+    queue: str,
+    workers: int,
+    slots: int,
+    progress_s: float,
+) -> AsyncIterator[list[int]]:
+    """The jobs running on all their nodes: their workflows in `workers` processes of their
+    own (their pids), the activities in this process on `slots`. Stopped on the way out."""
+    address = client.service_client.config.target_host
+    with ThreadPoolExecutor(max_workers=slots) as pool:
+        async with (
+            workflow_workers(address, queue, workers, len(names) + 100) as pids,
+            Worker(
+                client,
+                task_queue=queue,
+                activities=cloud.activities() + runtime.activities(),
+                activity_executor=pool,
+                max_concurrent_activities=slots,
+            ),
+        ):
+            await start_at_full_size(client, runtime, names, queue, progress_s)
+            yield pids
+
+
 async def start_at_full_size(
     client: Client, runtime: NotifiedRuntime, names: list[str], queue: str, progress_s: float
 ) -> None:
@@ -244,43 +273,31 @@ async def one_size(
         cloud = SimulatedCloud()
         queue = uuid.uuid4().hex
         names = [f"scale-{queue[:6]}-{i}" for i in range(jobs)]
-        address = client.service_client.config.target_host
-        with ThreadPoolExecutor(max_workers=slots) as pool:
-            async with (
-                workflow_workers(address, queue, workers, jobs + 100) as pids,
-                Worker(
-                    client,
-                    task_queue=queue,
-                    activities=cloud.activities() + runtime.activities(),
-                    activity_executor=pool,
-                    max_concurrent_activities=slots,
-                ),
-            ):
-                await start_at_full_size(client, runtime, names, queue, progress_s)
-                events_before = sum(await history_events(client, names))
-                worker_before = [cpu_s(pid) for pid in pids]
-                server_before = {pid: cpu_s(pid) for pid in running.pids()}
-                driver_before, began = time.process_time(), time.monotonic()
-                async with sampled(pids, duration_s, profile) as profiles:
-                    reclaims = await reclaim_steadily(
-                        client, runtime, names, duration_s, reclaim_every_s
-                    )
-                try:
-                    await until(
-                        lambda: not runtime.signalled, 60 + jobs * 0.3, "the last reactions"
-                    )
-                except TimeoutError as e:
-                    raise TimeoutError(f"{e}: {await post_mortem(client, runtime)}") from None
-                worker_cpu = [cpu_s(pid) - b for pid, b in zip(pids, worker_before, strict=True)]
-                driver_cpu = time.process_time() - driver_before
-                server_cpu = sum(cpu_s(p) - server_before.get(p, 0.0) for p in running.pids())
-                load_1m = os.getloadavg()[0]
-                elapsed = time.monotonic() - began
-                rss = max(peak_rss_mb(pid) for pid in pids)
-                runs = await history_events(client, names)
-                runtime.closing = True
-                await asyncio.sleep(1)
-                await asyncio.gather(*(client.get_workflow_handle(n).terminate() for n in names))
+        async with jobs_at_full_size(
+            client, cloud, runtime, names, queue, workers, slots, progress_s
+        ) as pids:
+            events_before = sum(await history_events(client, names))
+            worker_before = [cpu_s(pid) for pid in pids]
+            server_before = {pid: cpu_s(pid) for pid in running.pids()}
+            driver_before, began = time.process_time(), time.monotonic()
+            async with sampled(pids, duration_s, profile) as profiles:
+                reclaims = await reclaim_steadily(
+                    client, runtime, names, duration_s, reclaim_every_s
+                )
+            try:
+                await until(lambda: not runtime.signalled, 60 + jobs * 0.3, "the last reactions")
+            except TimeoutError as e:
+                raise TimeoutError(f"{e}: {await post_mortem(client, runtime)}") from None
+            worker_cpu = [cpu_s(pid) - b for pid, b in zip(pids, worker_before, strict=True)]
+            driver_cpu = time.process_time() - driver_before
+            server_cpu = sum(cpu_s(p) - server_before.get(p, 0.0) for p in running.pids())
+            load_1m = os.getloadavg()[0]
+            elapsed = time.monotonic() - began
+            rss = max(peak_rss_mb(pid) for pid in pids)
+            runs = await history_events(client, names)
+            runtime.closing = True
+            await asyncio.sleep(1)
+            await asyncio.gather(*(client.get_workflow_handle(n).terminate() for n in names))
     reactions_ms = [1000 * r for r in runtime.reactions]
     stats = summary(reactions_ms)
     return {

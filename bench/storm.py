@@ -24,14 +24,12 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.worker import Worker
 
 from spotrain.activities.simulated import SimulatedCloud
 from spotrain.workers.worker import ACTIVITY_SLOTS
@@ -42,10 +40,9 @@ from .common import REPO, cpu_s, publish, summary, table
 from .scale import (
     NotifiedRuntime,
     history_events,
+    jobs_at_full_size,
     revision,
-    start_at_full_size,
     until,
-    workflow_workers,
 )
 from .temporal_server import SERVERS, temporal_server
 
@@ -165,33 +162,23 @@ async def one_storm(
         runtime, cloud = StormRuntime(notices), StormCloud(notices)
         queue = uuid.uuid4().hex
         names = [f"storm-{queue[:6]}-{i}" for i in range(jobs)]
-        address = client.service_client.config.target_host
-        with ThreadPoolExecutor(max_workers=ACTIVITY_SLOTS) as pool:
-            async with (
-                workflow_workers(address, queue, workers, jobs + 100) as pids,
-                Worker(
-                    client,
-                    task_queue=queue,
-                    activities=cloud.activities() + runtime.activities(),
-                    activity_executor=pool,
-                    max_concurrent_activities=ACTIVITY_SLOTS,
-                ),
-            ):
-                await start_at_full_size(client, runtime, names, queue, progress_s)
-                zone, targets = cloud.in_zone(names)
-                events_before = sum(await history_events(client, names))
-                worker_before = [cpu_s(pid) for pid in pids]
-                sent, skipped = await send_storm(client, cloud, notices, targets, over_s, notice_s)
-                try:
-                    await until(lambda: not notices.waiting(), 60 + jobs * 0.3, "every answer")
-                except TimeoutError as e:
-                    raise TimeoutError(f"{e}: unanswered {notices.waiting()[:10]}") from None
-                worker_cpu = sum(cpu_s(pid) - b for pid, b in zip(pids, worker_before, strict=True))
-                load_1m = os.getloadavg()[0]
-                events = sum(await history_events(client, names)) - events_before
-                runtime.closing = True
-                await asyncio.sleep(1)
-                await asyncio.gather(*(client.get_workflow_handle(n).terminate() for n in names))
+        async with jobs_at_full_size(
+            client, cloud, runtime, names, queue, workers, ACTIVITY_SLOTS, progress_s
+        ) as pids:
+            zone, targets = cloud.in_zone(names)
+            events_before = sum(await history_events(client, names))
+            worker_before = [cpu_s(pid) for pid in pids]
+            sent, skipped = await send_storm(client, cloud, notices, targets, over_s, notice_s)
+            try:
+                await until(lambda: not notices.waiting(), 60 + jobs * 0.3, "every answer")
+            except TimeoutError as e:
+                raise TimeoutError(f"{e}: unanswered {notices.waiting()[:10]}") from None
+            worker_cpu = sum(cpu_s(pid) - b for pid, b in zip(pids, worker_before, strict=True))
+            load_1m = os.getloadavg()[0]
+            events = sum(await history_events(client, names)) - events_before
+            runtime.closing = True
+            await asyncio.sleep(1)
+            await asyncio.gather(*(client.get_workflow_handle(n).terminate() for n in names))
     stats = summary([1000 * r for r in notices.reactions])
     return {
         "server": server,
