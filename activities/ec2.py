@@ -243,6 +243,7 @@ class EC2Provider:
             return self._clients[region]
 
     def activities(self) -> list[Callable[..., Any]]:
+        self.client()  # its service model loads now, while the worker starts, not mid-job
         return [self.find_offers, self.launch_node, self.describe_nodes, self.release_nodes]
 
     # --- offers ------------------------------------------------------------------------------

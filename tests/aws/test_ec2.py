@@ -10,7 +10,10 @@ temporalio's ActivityEnvironment (a real activity context, so heartbeats work).
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -412,3 +415,33 @@ def test_gc_reaps_orphans_and_spares_live_jobs(provider: EC2Provider, job: str) 
     assert kept() == set() and live(provider, running_job) == [spared]
     assert not [o for o in reap(ec2, is_running) if o.job == job]
     ENV.run(provider.release_nodes, ReleaseRequest(job=running_job, node_ids=[spared]))
+
+
+# --- the worker's heap -----------------------------------------------------------------------
+
+HEAP_AFTER_FREEZE = """
+import gc
+from spotrain.activities.ec2 import EC2Provider
+from spotrain.workers.worker import freeze_heap
+provider = EC2Provider(region="us-east-1")
+provider.activities()  # as the worker builds its activities
+freeze_heap()  # as its entry point does before it serves
+provider.client()  # as the first activity asks for it
+gc.collect()
+print(gc.get_freeze_count(), len(gc.get_objects()))
+"""
+
+
+def test_the_ec2_model_is_frozen_with_the_worker_s_heap() -> None:
+    """boto3's EC2 model (some 55,000 objects) loads while the worker starts, so it is
+    frozen with the rest and no later full collection scans it while holding the GIL: the
+    scans that, under load, failed activations as deadlocks (workers/worker.py freeze_heap).
+    In a process of its own: freezing pytest's heap would keep its garbage."""
+    env = os.environ | {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local"}
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP_AFTER_FREEZE], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    frozen, scanned = map(int, out.stdout.split())
+    assert frozen > 100_000, frozen
+    assert scanned < 5_000, scanned

@@ -67,6 +67,10 @@ def test_without_a_terminal_progress_comes_as_lines() -> None:
     assert "world size 3" in progress.lines(status(2, 3, 14), notes, now=12)[0]
 
 
+def tail(run: subprocess.CompletedProcess[str]) -> str:
+    return run.stdout[-2000:] + "\n--- stderr ---\n" + run.stderr[-4000:]
+
+
 # Each line the demo prints without a terminal while the job runs.
 PROGRESS = re.compile(
     r"^\d\d:\d\d:\d\d demo-\d+: (\w+), generation (\d+), world size (\d+), step (\d+)/"
@@ -88,15 +92,17 @@ def test_demo_survives_two_reclaims_and_leaves_nothing(tmp_path: Path) -> None:
         for state in tmp.glob("spotrain-demo-*"):
             for job in (state / "jobs").glob("*"):
                 LocalRuntime(state).cleanup_job(CleanupRequest(job=job.name, keep=True))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, tail(run)
     assert list(tmp.glob("spotrain-demo-*")) == []  # its state went with it
     assert "placement scores" not in run.stdout + run.stderr  # the market answers them
+    assert "Failed handling activation" not in run.stderr, tail(run)  # e.g. a deadlock
     assert "left running: 0 instance(s), 0 worker process(es)" in run.stdout
     job = re.search(r"(demo-\d+): Succeeded", run.stdout)
     assert job, run.stdout[-2000:]
     left = leftover_processes(job.group(1))  # /proc, not the demo's word for it
     assert not left, left
-    assert re.search(r"reclaims survived\s*│\s*2\s", run.stdout), run.stdout[-2000:]
+    # (stderr too: the worker's errors, such as an activation it failed, are logged there)
+    assert re.search(r"reclaims survived\s*│\s*2\s", run.stdout), tail(run)
     # examples/job.yaml resizes live: the loss without notice costs at most the step in
     # flight (restarting, it would cost everything since the last periodic checkpoint).
     assert re.search(rf"steps done / lost\s*│\s*{STEPS} / [01]\s", run.stdout), run.stdout[-2000:]

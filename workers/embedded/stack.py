@@ -41,7 +41,7 @@ from spotrain.workers.embedded.binaries import temporal_cli
 from spotrain.workers.embedded.spot_market import SpotMarket, Trace
 from spotrain.workers.webhook.auth import AuthConfig
 from spotrain.workers.webhook.server import WebhookConfig, WebhookService
-from spotrain.workers.worker import DEFAULT_STATE_DIR, build_activities, run_worker
+from spotrain.workers.worker import DEFAULT_STATE_DIR, build_activities, freeze_heap, run_worker
 from spotrain.workflows.job import attributes
 
 log = logging.getLogger("spotrain.stack")
@@ -159,6 +159,7 @@ class Stack:
         )
         # Where the example job (and the demo) checkpoint: s3://spotrain-checkpoints/<job>.
         boto3.client("s3", endpoint_url=self.moto_url).create_bucket(Bucket=CHECKPOINT_BUCKET)
+        self.running_instances()  # moto's EC2 data and boto3's model load now, before the freeze
         activities = build_activities("ec2", "local", cfg.state_dir)
         self._worker = asyncio.create_task(
             run_worker(self.client, activities, cfg.task_queue, self._stop)
@@ -292,6 +293,7 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     traces = [Trace.load(arg) for arg in args.trace]
     async with Stack(config) as stack:
+        freeze_heap()
         followers = [
             asyncio.create_task(stack.market.follow(t, args.trace_speedup, args.notice_s))
             for t in traces
