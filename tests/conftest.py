@@ -24,6 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from spotrain.activities.local_ranks import Rank
 from spotrain.workers.embedded.binaries import temporal_cli, temporal_test_server
+from spotrain.workers.worker import freeze_heap
 from spotrain.workflows.job import attributes
 from tests import assert_diff, warm_python
 from tests.moto_ec2 import honour_client_tokens
@@ -69,6 +70,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: files stay whole
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The test process's modules and collected tests are frozen as a worker's heap is
+    (workers/worker.py freeze_heap): about 230,000 objects that every full collection would
+    scan holding the GIL, while a test's in-process worker needs it within 2 s."""
+    freeze_heap()
 
 
 cpu_at_setup = pytest.StashKey[float]()
