@@ -18,11 +18,12 @@ import warnings
 from temporalio.worker import Worker
 
 from spotrain.workers.connect import connect
-from spotrain.workers.worker import WORKFLOW_RUNNER, WORKFLOWS
+from spotrain.workers.worker import WORKFLOW_RUNNER, WORKFLOWS, freeze_heap
 
 
 async def serve(task_queue: str, max_cached: int) -> None:
     client = await connect()
+    freeze_heap()  # as `spotrain worker` does
     async with Worker(
         client,
         task_queue=task_queue,
