@@ -41,6 +41,16 @@ RECLAIMS = "/v1/reclaims"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def hook(dev_env: WorkflowEnvironment) -> AsyncIterator[Webhook]:
+    """The default read timeouts (10 s from the connection's start): a test whose request is
+    not about time is never cut off, even if this process stalls for a second. With 1 s, a
+    stall (a busy run) let the header timeout close the connection before the server read the
+    request that was waiting in its socket, so the client saw a reset, not the 400."""
+    async with running_webhook(dev_env.client) as hook:
+        yield hook
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def impatient(dev_env: WorkflowEnvironment) -> AsyncIterator[Webhook]:
     """Short read timeouts, so the slow-client tests take seconds."""
     async with running_webhook(dev_env.client, header_timeout_s=1.0, body_timeout_s=1.0) as hook:
         yield hook
@@ -126,10 +136,10 @@ async def test_a_client_that_hangs_up_mid_body_is_a_499_not_a_500(
 # --- slow clients are cut off -------------------------------------------------------------
 
 
-async def test_a_request_head_sent_slowly_is_cut_off(hook: Webhook) -> None:
+async def test_a_request_head_sent_slowly_is_cut_off(impatient: Webhook) -> None:
     """A byte every 0.2 s keeps a connection busy but never completes the head: closed once
     the header timeout (1 s here) has passed since it opened, answered or not."""
-    host, port = hook.url.removeprefix("http://").split(":")
+    host, port = impatient.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     started = time.monotonic()
     closed_after = None
@@ -165,19 +175,19 @@ async def test_a_body_that_does_not_decode_is_400_before_authentication(
     assert "Traceback" not in caplog.text
 
 
-async def test_a_silent_connection_is_closed(hook: Webhook) -> None:
+async def test_a_silent_connection_is_closed(impatient: Webhook) -> None:
     started = time.monotonic()
-    assert await raw(hook, b"", read_for_s=10) == b""
+    assert await raw(impatient, b"", read_for_s=10) == b""
     assert time.monotonic() - started < 4
 
 
-async def test_a_body_sent_too_slowly_is_answered_408_and_closed(hook: Webhook) -> None:
+async def test_a_body_sent_too_slowly_is_answered_408_and_closed(impatient: Webhook) -> None:
     head = f"POST /v1/reclaims HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
     started = time.monotonic()
-    answer = await raw(hook, (head + "Content-Length: 100\r\n\r\n{").encode(), read_for_s=10)
+    answer = await raw(impatient, (head + "Content-Length: 100\r\n\r\n{").encode(), read_for_s=10)
     assert status_of(answer) == 408, answer[:200]
     assert time.monotonic() - started < 5  # the body timeout, then at most as long lingering
-    assert counter(hook, "spotrain_webhook_requests_total", path=RECLAIMS, code="408") >= 1
+    assert counter(impatient, "spotrain_webhook_requests_total", path=RECLAIMS, code="408") >= 1
 
 
 def test_read_timeouts_and_cache_settings_come_from_the_environment() -> None:
