@@ -30,7 +30,6 @@ from spotrain.activities.local_ranks import job_processes
 from spotrain.elastic.job_store import JobStore
 from spotrain.workers.cli.support import CliError, query_status
 from spotrain.workers.embedded.stack import CHECKPOINT_BUCKET, Stack, StackConfig
-from spotrain.workers.worker import freeze_heap
 from spotrain.workflows.contract import CleanupRequest
 from spotrain.workflows.job.checkpoints import describe
 from spotrain.workflows.job.state import JobResult, JobStatus, Phase
@@ -168,7 +167,6 @@ async def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     console.print(f"starting the embedded stack (state in {state})...")
     async with Stack(StackConfig.ephemeral(state)) as stack:
-        freeze_heap()
         console.print(f"Temporal Web UI: http://127.0.0.1:{stack.config.ui_port}")
         spec = demo_spec(state, args.steps, args.step_time, args.record, args.checkpoint == "s3")
         handle = await stack.client.start_workflow(

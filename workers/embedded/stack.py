@@ -157,9 +157,7 @@ class Stack:
                 "AWS_DEFAULT_REGION": cfg.region,
             }
         )
-        # Where the example job (and the demo) checkpoint: s3://spotrain-checkpoints/<job>.
-        boto3.client("s3", endpoint_url=self.moto_url).create_bucket(Bucket=CHECKPOINT_BUCKET)
-        self.running_instances()  # moto's EC2 data and boto3's model load now, before the freeze
+        await asyncio.to_thread(self._warm)
         activities = build_activities("ec2", "local", cfg.state_dir)
         self._worker = asyncio.create_task(
             run_worker(self.client, activities, cfg.task_queue, self._stop)
@@ -171,7 +169,14 @@ class Stack:
         await self._webhook.start()
         self.runtime = LocalRuntime(cfg.state_dir)
         self.market = SpotMarket(self.webhook_url, token, self.runtime, cfg.region)
+        freeze_heap()  # the stack is its process's for good: built, before any job runs
         return self
+
+    def _warm(self) -> None:
+        """The checkpoint bucket, s3://spotrain-checkpoints/<job> for the example job and the
+        demo; and moto's EC2 data and boto3's model loaded now, so the heap freeze takes them."""
+        boto3.client("s3", endpoint_url=self.moto_url).create_bucket(Bucket=CHECKPOINT_BUCKET)
+        self.running_instances()
 
     def _token(self) -> str:
         path = self.config.state_dir / "webhook-token"
@@ -293,7 +298,6 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     traces = [Trace.load(arg) for arg in args.trace]
     async with Stack(config) as stack:
-        freeze_heap()
         followers = [
             asyncio.create_task(stack.market.follow(t, args.trace_speedup, args.notice_s))
             for t in traces
