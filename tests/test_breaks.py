@@ -54,7 +54,14 @@ RUN_TIMEOUT_S = 280
 STACKS_WAIT_S = 2  # for a run that timed out to write where it waits
 TIMED_OUT_TAIL = 12_000  # (the stacks of every thread and task)
 # A test here waits for its run, which may wait its turn behind others on a loaded machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# The runs' rank processes fork from this process's warm python server (tests/warm_python.py,
+# named in the environment the copies inherit): a run that started its own would import
+# torch cold, 5 s of CPU or more for each break whose named test starts ranks.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.usefixtures("warm_python_server"),
+]
 # Plugins no named test needs: a quarter of each run's start-up (the control run would fail
 # if one did).
 UNUSED_PLUGINS = [f"-pno:{name}" for name in ("cacheprovider", "xdist", "schemathesis", "anyio")]
