@@ -170,7 +170,11 @@ async def test_a_zone_bound_job_without_zones_keeps_its_first_nodeclaims_in_one_
             await handle.cancel()
             await wait_status(handle, lambda s: s.phase == "Cancelled", 60)
             await until_true(none_left(karpenter, name), 60)
-    assert status.generation == 1 and len(claims) == 3, (status.generation, sorted(claims))
+    # Three slots; a slot may hold a second attempt (s0-a2 beside s0-a1: its first launch was
+    # slow to come up, in a run at four test processes beside two busy loops), which must
+    # keep to the zone as well.
+    slots = {n.rsplit("-", 1)[0] for n in claims}
+    assert status.generation == 1 and len(slots) == 3, (status.generation, sorted(claims))
     required = {n: required_zones(c) for n, c in claims.items()}
     home = next(iter(landed.values()))
     assert home in ZONES and required == {n: [home] for n in claims}, required
