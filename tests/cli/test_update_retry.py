@@ -22,14 +22,23 @@ from typing import Any
 
 import pytest
 from temporalio import workflow
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from spotrain.workers.cli.support import STARVED, STARVED_TRIES, CliError, query_status
+from spotrain.workers.cli.support import (
+    FAILED,
+    STARVED,
+    STARVED_TRIES,
+    UNREACHABLE,
+    CliError,
+    query_status,
+    rpc_error,
+)
 from spotrain.workflows.job.state import JobStatus
 from tests.workflows.test_placement import state_with
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+ON_THE_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 
 FAILING = {"now": True}
 
@@ -55,6 +64,7 @@ class FlakyTaskJob:
         return self.paused
 
 
+@ON_THE_SESSION_LOOP
 @pytest.mark.slow
 async def test_an_update_aborted_by_a_failed_workflow_task_is_tried_again(
     dev_env: WorkflowEnvironment,
@@ -109,6 +119,7 @@ class StarvedQueryJob:
         return state_with(["us-east-1a"]).status(datetime(2026, 1, 1, tzinfo=UTC))
 
 
+@ON_THE_SESSION_LOOP
 @pytest.mark.slow
 async def test_a_status_query_failed_by_a_starved_worker_is_asked_again(
     dev_env: WorkflowEnvironment,
@@ -131,3 +142,15 @@ async def test_a_status_query_failed_by_a_starved_worker_is_asked_again(
             assert HELD["queries"] == 0
         finally:
             await handle.terminate()
+
+
+def test_a_call_that_timed_out_says_so_and_exits_3() -> None:
+    """A starved worker or server answers too late, and the client gives up with CANCELLED
+    "Timeout expired" (a CI run's `spotrain status` said "Temporal refused: Timeout expired",
+    which no server had said): that is "did not answer in time", exit 3, as for a server that
+    cannot be reached. Any other CANCELLED is still the server's answer."""
+    late = rpc_error(RPCError("Timeout expired", RPCStatusCode.CANCELLED, b""), "my-job")
+    assert late.code == UNREACHABLE
+    assert str(late).startswith("Temporal did not answer in time (Timeout expired)"), late
+    other = rpc_error(RPCError("operation was canceled", RPCStatusCode.CANCELLED, b""), None)
+    assert (other.code, str(other)) == (FAILED, "Temporal refused: operation was canceled")

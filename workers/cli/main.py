@@ -3,9 +3,9 @@
 Every job is a `TrainingJob` workflow whose id is the job name, so each command is a thin
 Temporal call: start, query `status`, updates, cancel, visibility list. Reads take `--json`
 for scripts. Exit codes: 0 ok, 1 the operation failed or was rejected, 2 bad usage or invalid
-input, 3 Temporal cannot be reached. Expected errors print one clear message, never a
-traceback. The process leaves through `os._exit` after flushing: the Temporal client can
-abort the interpreter's shutdown (see DESIGN.md, "Process exit").
+input, 3 Temporal cannot be reached or did not answer in time. Expected errors print one clear
+message, never a traceback. The process leaves through `os._exit` after flushing: the
+Temporal client can abort the interpreter's shutdown (see DESIGN.md, "Process exit").
 
 This module is the parser and the dispatch; the commands live by what they do:
 jobs.py (start and steer), views.py (list, status, report), pools.py (capacity pools),

@@ -77,6 +77,13 @@ async def client() -> Client:
 def rpc_error(e: RPCError, job: str | None) -> CliError:
     if e.status in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED):
         return unreachable(Unreachable(e.message))
+    if e.status == RPCStatusCode.CANCELLED and "Timeout expired" in e.message:
+        # The client's own timeout, not a refusal (a query waits for a worker to answer it).
+        return CliError(
+            f"Temporal did not answer in time ({e.message}): the server, or the worker that "
+            "runs the job, is down or overloaded; try again",
+            UNREACHABLE,
+        )
     if e.status == RPCStatusCode.NOT_FOUND and job:
         return CliError(f"no running job named {job!r} ({e.message})")
     hint = ""
