@@ -348,7 +348,9 @@ async def wait_status(
         status = await handle.query("status", result_type=JobStatus)
         if ok(status):
             return status
-        assert time.monotonic() < deadline, status
+        # the whole status, nodes and timeline: pytest cuts a repr to a line ("Pending", and
+        # not why: busy run 14's Karpenter failures said no more)
+        assert time.monotonic() < deadline, status.model_dump_json(indent=1)[:6000]
         await asyncio.sleep(0.1)
 
 
