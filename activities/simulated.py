@@ -109,12 +109,15 @@ class SimulatedCloud:
     def find_offers(self, policy: SpotPolicy) -> list[Offer]:
         zones = policy.zones or self.zones
         with self._lock:
-            return [
-                Offer(instance_type=t.name, zone=z, price=self.spot_price)
+            free = {
+                (t.name, z): self.capacity(t.name, z, _now()) - self._spot_in_use(t.name, z)
                 for t in policy.instance_types
                 for z in zones
-                if self.capacity(t.name, z, _now()) > self._spot_in_use(t.name, z)
-                and (policy.max_price is None or self.spot_price <= policy.max_price)
+            }
+            return [
+                Offer(instance_type=t, zone=z, price=self.spot_price, capacity=n)
+                for (t, z), n in free.items()
+                if n > 0 and (policy.max_price is None or self.spot_price <= policy.max_price)
             ]
 
     @activity.defn(name=contract.LAUNCH_NODE)

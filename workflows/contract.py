@@ -123,6 +123,11 @@ class Offer(Message):
     zone: str
     price: float
     score: float | None = Field(None, description="spot placement score when the API has one")
+    capacity: int | None = Field(
+        None,
+        description="how many more nodes the pool can give now, where the provider says (the "
+        "simulated cloud, from its trace); None: unknown (EC2, Karpenter)",
+    )
 
 
 class Regional(Message):

@@ -101,6 +101,26 @@ def test_a_job_hops_only_when_its_zone_cannot_give_it_min_nodes_and_another_can(
     assert hop(placement="region", offers=[offer("us-west-2a")]) is not None
 
 
+def test_a_job_hops_when_its_zone_says_it_cannot_make_up_min_nodes_and_another_can() -> None:
+    """Where pools state their capacity: home's room for 1 more leaves the job at 2 of min
+    4, so it goes where the pools can give more, the zone that can give most first."""
+
+    def room(zone: str, n: int | None) -> Offer:
+        return offer(zone).model_copy(update={"capacity": n})
+
+    short = {"held": 1, "min_nodes": 4}
+    moved = hop(offers=[room("us-east-1a", 1), room("us-east-1b", 4)], **short)
+    assert moved is not None and moved.to == "us-east-1b"
+    assert "its zone us-east-1a can give 2 of min 4; us-east-1b offers" in moved.why
+    assert hop(offers=[room("us-east-1a", 3), room("us-east-1b", 4)], **short) is None
+    assert hop(offers=[room("us-east-1a", 1), room("us-east-1b", 2)], **short) is None
+    assert hop(offers=[room("us-east-1a", None), room("us-east-1b", 4)], **short) is None
+    # Home offers nothing: the zone that can give most, though b ranks first by name.
+    most = hop(offers=[room("us-east-1b", 1), room("us-east-1c", 3)], **short)
+    assert most is not None and most.to == "us-east-1c"
+    assert hop(offers=[room("us-east-1b", 1)], held=2, min_nodes=4) is None  # no more there
+
+
 def test_the_hold_down_keeps_a_flickering_market_from_making_a_job_flap() -> None:
     just = T0 - locality.HOP_HOLD_DOWN + timedelta(seconds=1)
     assert hop(last_hop=just) is None

@@ -49,6 +49,7 @@ def hop(
         "home": "za",
         "stay": stay,
         "wants": wants,
+        "min_nodes": 1,
         "worth_h": OD,
         "move_s": MOVE_S,
         "offers": offers_of(market),
@@ -80,6 +81,56 @@ def test_more_nodes_for_less_pays_a_small_saving_does_not() -> None:
     # shown it can give (a make-before-break run hopped to another zone as empty, 4 3 2 4).
     dry = {locality.pool_key("p3.2xlarge", "za"): T0}
     assert hop(Stay(2, 0.97), {"za": 0.97, "zb": 0.97}, dry=dry) is None
+
+
+def test_a_zone_is_weighed_for_the_nodes_its_pools_say_they_can_give() -> None:
+    """Where the provider states a pool's capacity (the simulated cloud, from its trace), a
+    zone gives what its pools can: bought cheapest first, at their mean price. EC2 states
+    none, and a zone is taken to give all `wants`."""
+
+    def pools(zone: str, *priced: tuple[float, int | None]) -> list[Offer]:
+        return [
+            Offer(instance_type=f"t{i}", zone=zone, price=p, capacity=n)
+            for i, (p, n) in enumerate(priced)
+        ]
+
+    # Held to 2 of 4 at 0.97, home offers no more. zb's 1 node at 0.5 is no gain on 2:
+    # 1 x (3.06 - 0.5) < 2 x (3.06 - 0.97).
+    assert hop(Stay(2, 0.97), {}, offers=pools("zb", (0.5, 1))) is None
+    moved = hop(Stay(2, 0.97), {}, offers=pools("zb", (0.5, 2), (0.6, 5)))
+    assert moved is not None and moved.to == "zb"
+    assert "zb offers 4 node(s) at $0.550/h against 2" in moved.why  # 2 at 0.5, 2 at 0.6
+    assert hop(Stay(2, 0.97), {}, offers=pools("zb", (0.5, None))) is not None
+    # Home says it has room for 1 more (3 of 4): zb's 4 at the same price now pays, where
+    # a home that states nothing was taken to give all 4.
+    home_room = pools("za", (0.97, 1)) + pools("zb", (0.97, 4))
+    moved = hop(Stay(2, 0.97), {}, offers=home_room)
+    assert moved is not None and "against 3 at $0.970/h in za" in moved.why
+    assert hop(Stay(2, 0.97), {}, offers=pools("za", (0.97, None)) + pools("zb", (0.97, 4))) is None
+    # A zone that cannot give min_nodes is no place to train, however cheap: 1 node at 0.05
+    # against 2 at 3.0 would pay on nodes x (worth - price) alone.
+    assert hop(Stay(2, 3.0), {}, offers=pools("zb", (0.05, 1))) is not None
+    assert hop(Stay(2, 3.0), {}, min_nodes=2, offers=pools("zb", (0.05, 1))) is None
+
+
+@given(
+    held=st.integers(1, 6),
+    extra=st.integers(0, 6),
+    price=prices,
+    pools=st.lists(st.tuples(st.sampled_from(["zb", "zc"]), prices, st.integers(1, 8)), max_size=6),
+    min_nodes=st.integers(1, 6),
+)
+def test_a_hop_for_gain_goes_only_where_the_pools_can_give_min_nodes(
+    held: int, extra: int, price: float, pools: list[tuple[str, float, int]], min_nodes: int
+) -> None:
+    offers = [
+        Offer(instance_type=f"t{i}", zone=z, price=p, capacity=n)
+        for i, (z, p, n) in enumerate(pools)
+    ]
+    moved = hop(Stay(held, price), {}, held + extra, min_nodes=min_nodes, offers=offers)
+    if moved is not None:
+        there = sum(n for z, _, n in pools if z == moved.to)
+        assert there >= min_nodes
 
 
 def test_the_hold_down_and_placement_any_keep_it_where_it_is() -> None:
@@ -253,6 +304,35 @@ async def test_a_job_that_can_train_hops_for_more_nodes_for_less_but_not_within_
     assert first.time + hold <= second.time <= first.time + hold + 2 * check
     zones = [n.zone for n in cloud.launches]
     assert zones == ["us-east-1a"] * 2 + ["us-east-1b"] * 4 + ["us-east-1a"] * 4, zones
+    assert cloud.running() == []
+
+
+async def test_a_job_hops_only_for_the_nodes_the_other_zone_has_room_for(
+    ts_env: WorkflowEnvironment,
+) -> None:
+    """Zone a gives 2 nodes at 0.97 (min 2, max 4). From minute 20 zone b offers at 0.5 with
+    room for 1 node: taken to give all 4, as a zone that states nothing is, that looked like
+    4 nodes for less, and the job would have left 2 nodes to wait on 1. It stays. From
+    minute 60 b has room for 3: 3 for less pays, and it trains at 3 in b."""
+    t0 = await ts_env.get_current_time()
+
+    def market(zone: str, when: datetime) -> tuple[int, float]:
+        if zone == "us-east-1a":
+            return 2, 0.97
+        if when >= t0 + timedelta(minutes=60):
+            return 3, 0.5
+        return (1 if when >= t0 + timedelta(minutes=20) else 0), 0.5
+
+    cloud = PricedCloud(market)
+    async with simulated(ts_env.client, cloud=cloud) as sim:
+        result = await asyncio.wait_for((await sim.start(market_spec(14_400))).result(), 300)
+    assert result.phase == "Succeeded" and result.steps_done == 14_400
+    (hopped,) = hops_of(result)
+    assert hopped.detail.startswith("to us-east-1b: us-east-1b offers 3 node(s) at $0.500/h")
+    check = timedelta(seconds=120)  # capacity_check_interval_s
+    assert t0 + timedelta(minutes=60) <= hopped.time <= t0 + timedelta(minutes=60) + 2 * check
+    zones = [n.zone for n in cloud.launches]
+    assert zones == ["us-east-1a"] * 2 + ["us-east-1b"] * 3, zones
     assert cloud.running() == []
 
 

@@ -194,6 +194,7 @@ def hop_for_gain(
         home=home,
         stay=locality.Stay(len(alive), sum(n.price for n in alive) / len(alive)),
         wants=max(len(alive), state.allowed - base),
+        min_nodes=max(state.spec.elastic.min_nodes - base, 1),
         worth_h=sum(n.on_demand_price for n in alive) / len(alive),
         move_s=move_s,
         market=market(state, billed(state, offers), now),

@@ -11,7 +11,9 @@ A job whose home cannot give it `min_nodes` hops: the idle nodes it holds there 
 buys in the zone that can serve (`hop_to`); a pool where a launch found no capacity counts as
 offering nothing for `DRY_FOR`. It hops at most once per `HOP_HOLD_DOWN`, so a
 flickering market cannot make it flap, and never while ranks hold its state in memory.
-A job that can train hops too, when another zone pays for the move (`hop_for_gain`), and
+A job that can train hops too, when another zone pays for the move (`hop_for_gain`), for the
+nodes that zone can give (`gives`: its pools' stated capacity where the provider states it),
+and
 a job spread over zones gathers in one when that pays (`gather_to`): both weigh the move
 the same way (`weigh_move`): what the job's nodes yield an hour here and there, valued at
 the on-demand price, over `HOP_HORIZON`, against the time the move trains nothing, with a
@@ -156,24 +158,34 @@ def hop_to(
     market: Market,
 ) -> Hop | None:
     """Move the job when its home cannot give it `min_nodes`: it holds fewer (`held` live
-    nodes), its zone or region offers no spot pool now that is not dry, and another does.
-    Not while held down (`Market.held_down`), and not while parked ranks hold the state
-    (leaving would throw it away)."""
+    nodes), and its zone or region offers no spot pool now that is not dry, or its pools
+    state they cannot make up the rest (`gives`), and another can give more. Not while held
+    down (`Market.held_down`), and not while parked ranks hold the state (leaving would
+    throw it away)."""
     if placement == "any" or home is None or held >= min_nodes or state_in_memory:
         return None
     if market.held_down:
         return None
     regions = market.regions
-    if fresh(placed(market.offers, placement, home, regions), market.dry, market.now):
-        return None  # home still offers: wait for it
-    away = home_zone([], market.offered)
-    if away is None:
+    here = unit_of(home, placement, regions)
+    home_offers = fresh(placed(market.offers, placement, home, regions), market.dry, market.now)
+    at_home = held + gives(home_offers, min_nodes - held).nodes
+    if at_home >= min_nodes:
+        return None  # home still offers (all it needs, where its pools say): wait for it
+    away = [o for o in market.offered if o.zone and unit_of(o.zone, placement, regions) != here]
+    can = {z: gives([o for o in away if o.zone == z], min_nodes).nodes for z in zones(away)}
+    if not can or max(can.values()) <= at_home:
         return None
+    to = min((z for z in can if can[z] == max(can.values())), key=lambda z: _zone_rank(z, away))
     where = "region" if placement == "region" else "zone"
+    home_gives = (
+        f"can give {at_home} of min {min_nodes}"
+        if at_home > held
+        else f"offers no spot and it holds {held} of min {min_nodes} node(s)"
+    )
     return Hop(
-        to=away,
-        why=f"its {where} {unit_of(home, placement, regions)} offers no spot and it holds "
-        f"{held} of min {min_nodes} node(s); {unit_of(away, placement, regions)} offers",
+        to=to,
+        why=f"its {where} {here} {home_gives}; {unit_of(to, placement, regions)} offers",
     )
 
 
@@ -222,24 +234,41 @@ def weigh_move(stay: Stay, go: Stay, *, worth_h: float, move_s: float) -> Weighe
     )
 
 
+def zones(offers: Sequence[Offer]) -> list[str]:
+    """The zones `offers` name, in the order they first appear."""
+    return list(dict.fromkeys(o.zone for o in offers if o.zone))
+
+
+def gives(offers: Sequence[Offer], wants: int) -> Stay:
+    """What `offers` give a job that wants `wants` nodes, bought cheapest first: each pool
+    as many as its stated capacity, a pool that states none all that are left (EC2's price
+    history lists a pool whatever it holds), at their mean price. Stay(0, 0.0): nothing."""
+    nodes, cost = 0, 0.0
+    for o in sorted(offers, key=lambda o: o.price):
+        take = wants - nodes if o.capacity is None else min(o.capacity, wants - nodes)
+        nodes, cost = nodes + take, cost + take * o.price
+    return Stay(nodes, cost / nodes if nodes else 0.0)
+
+
 def hop_for_gain(
     *,
     placement: Placement,
     home: str,
     stay: Stay,
     wants: int,
+    min_nodes: int,
     worth_h: float,
     move_s: float,
     market: Market,
 ) -> Hop | None:
     """Move a job that can train (`stay`: its nodes at home) to the zone (or region) whose
-    move pays most (`weigh_move`), if any pays. Each other zone that offers spot (not dry)
-    is taken to give the `wants` nodes the job would hold, at its cheapest offer's price
-    (the market's offers are at the prices the job would be billed); its home, if it still
-    offers, to give them too, at the price it pays now or its own cheapest offer's, whichever
-    is lower (a job that holds a mix of types must not move for a price its home offers too:
-    it would buy the same mix there and move again), else only the nodes it holds. Not while
-    held down."""
+    move pays most (`weigh_move`), if any pays. Each other zone (or region) that offers spot
+    (not dry) is taken to give what its pools can of the `wants` nodes the job would hold
+    (`gives`), at the prices the job would be billed; one that cannot give `min_nodes` is no
+    place to train. Its home, if it still offers, gives the nodes the job holds and what its
+    pools can add, at the price it pays now or its own cheapest offer's, whichever is lower (a
+    job that holds a mix of types must not move for a price its home offers too: it would buy
+    the same mix there and move again). Not while held down."""
     if placement == "any" or market.held_down:
         return None
     regions = market.regions
@@ -247,24 +276,36 @@ def hop_for_gain(
     # a job that can train waits that out rather than hop for nodes no zone has shown it
     # can give (a job short of min_nodes hops by `hop_to`).
     if at_home := placed(market.offers, placement, home, regions):
+        more = gives(at_home, max(wants - stay.nodes, 0)).nodes
         cheapest = min(o.price for o in at_home)
-        stay = Stay(max(stay.nodes, wants), min(stay.price_h, cheapest))
+        stay = Stay(stay.nodes + more, min(stay.price_h, cheapest))
     here = unit_of(home, placement, regions)
-    best: tuple[float, Offer, Weighed] | None = None
-    for o in market.offered:
-        if not o.zone or unit_of(o.zone, placement, regions) == here:
+    offered = market.offered
+    units: dict[str, list[Offer]] = {}
+    for o in offered:
+        if o.zone and (unit := unit_of(o.zone, placement, regions)) != here:
+            units.setdefault(unit, []).append(o)
+    # Each unit goes to its cheapest offer's zone, the units weighed in the order of those
+    # offers: of two that pay the same, the first offered wins.
+    firsts = {id(min(offers, key=lambda o: o.price)): unit for unit, offers in units.items()}
+    best: tuple[float, Offer, Stay, Weighed] | None = None
+    for o in offered:
+        if (unit := firsts.get(id(o))) is None:
             continue
-        w = weigh_move(stay, Stay(wants, o.price), worth_h=worth_h, move_s=move_s)
+        go = gives(units[unit], wants)
+        if go.nodes < min_nodes:
+            continue
+        w = weigh_move(stay, go, worth_h=worth_h, move_s=move_s)
         net = w.gain_usd - w.cost_usd
         if w.pays and (best is None or net > best[0]):
-            best = (net, o, w)
+            best = (net, o, go, w)
     if best is None:
         return None
-    _, o, w = best
+    _, o, go, w = best
     return Hop(
         to=o.zone,
-        why=f"{unit_of(o.zone, placement, regions)} offers {wants} node(s) at "
-        f"${o.price:.3f}/h against {stay.nodes} at ${stay.price_h:.3f}/h in {here}: "
+        why=f"{unit_of(o.zone, placement, regions)} offers {go.nodes} node(s) at "
+        f"${go.price_h:.3f}/h against {stay.nodes} at ${stay.price_h:.3f}/h in {here}: "
         f"{w.describe()}",
     )
 
