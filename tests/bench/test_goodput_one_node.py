@@ -21,6 +21,11 @@ from tests.bench.test_bench_smoke import write_trace
 GAP_S = 900
 BOOT_S = 300.0  # every node's boot (sigma 0)
 RESTART_S = 120.0
+# While an activity runs, the time-skipping server's clock moves at real speed, so a starved
+# machine's seconds land on the simulated timeline (a start 15 s late was seen beside two
+# busy loops). The bugs guarded here cost a whole boot (300 s): a minute's slack tells them
+# apart from a slow machine.
+SLACK_S = 60
 
 
 def test_a_one_node_job_without_notice_keeps_pace_with_fixed_restart(tmp_path: Path) -> None:
@@ -67,11 +72,11 @@ def test_a_one_node_job_without_notice_keeps_pace_with_fixed_restart(tmp_path: P
         starts = [round(3600 * t) for t, world in row.series if world > 0]
         # each generation starts one boot after a node is on offer, not two
         for start, offered in zip(starts, [0, 7200, 14400, 21600], strict=True):
-            assert offered + BOOT_S <= start <= offered + BOOT_S + 10, (policy, starts)
+            assert offered + BOOT_S <= start <= offered + BOOT_S + SLACK_S, (policy, starts)
         # (its checks run a moment after each tick: a few steps fewer before each drop)
         assert row.steps_lost == pytest.approx(fixed.steps_lost, abs=30), policy
         assert fixed.wall_h <= row.wall_h <= fixed.wall_h + GAP_S / 3600, policy
         # the boot and the start-up per reclaim, as the model's
         assert reports[policy]["pause_s_per_reclaim_with_capacity"] == pytest.approx(
-            BOOT_S + RESTART_S, abs=10
+            BOOT_S + RESTART_S, abs=SLACK_S
         ), policy
