@@ -21,6 +21,7 @@ SCRIPTS = (
     "scale",
     "storm",
     "webhook_burst",
+    "suite_times",
 )
 WRITTEN_BY = {"goodput_wedge_check": "wedge_check"}  # files named for what they check
 
