@@ -23,7 +23,7 @@ SCRIPTS = (
     "webhook_burst",
     "suite_times",
 )
-WRITTEN_BY = {"goodput_wedge_check": "wedge_check"}  # files named for what they check
+WRITTEN_BY = {"goodput_wedge_check": "goodput/wedge_check"}  # files named for what they check
 
 
 def figure(value: Any) -> str:
@@ -57,9 +57,16 @@ def script_for(path: Path) -> str:
     return next(s for s in sorted(SCRIPTS, key=len, reverse=True) if path.stem.startswith(s))
 
 
+def source(script: str) -> str:
+    """A benchmark's file, from the repository's root: a module, or a package's
+    `__init__.py` (bench/goodput/)."""
+    module = f"bench/{script}.py"
+    return module if (ROOT / module).exists() else f"bench/{script}/__init__.py"
+
+
 def summary(script: str) -> tuple[str, str]:
     """The first paragraph of a benchmark's docstring, and its command line."""
-    doc = ast.get_docstring(ast.parse((ROOT / "bench" / f"{script}.py").read_text())) or ""
+    doc = ast.get_docstring(ast.parse((ROOT / source(script)).read_text())) or ""
     parts = [p.strip() for p in doc.split("\n\n")]
     command = next((p for p in parts if p.startswith(".venv/bin/python")), "")
     return " ".join(parts[0].split()), command
@@ -69,7 +76,7 @@ def section(path: Path) -> str:
     data = json.loads(path.read_text())
     script = script_for(path)
     what, command = summary(script)
-    out = [f"\n## `{path.name}`\n\n{what} (`bench/{script}.py`)\n\n"]
+    out = [f"\n## `{path.name}`\n\n{what} (`{source(script)}`)\n\n"]
     if command:
         out.append(f"```\n{command}\n```\n\n")
     settings = data.get("setup") or data.get("settings") or data.get("args") or {}
@@ -103,7 +110,7 @@ def pictures() -> list[str]:
     for picture in sorted(RESULTS.glob("*.png")):
         script = script_for(picture)
         out.append(
-            f"\n## `{picture.name}`\n\nDrawn by `bench/{script}.py` with its results.\n\n"
+            f"\n## `{picture.name}`\n\nDrawn by `{source(script)}` with its results.\n\n"
             f"![{picture.stem}](bench/{picture.name})\n"
         )
     return out

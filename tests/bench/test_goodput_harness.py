@@ -22,8 +22,9 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.service import RPCError, RPCStatusCode
 
-from bench import goodput, goodput_harness
+from bench import goodput
 from bench.common import Trace
+from bench.goodput import harness as goodput_harness
 from tests.bench.test_bench_smoke import TICKS_A, TICKS_B, write_trace
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

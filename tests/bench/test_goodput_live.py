@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from bench import goodput_live
 from bench.common import Trace
-from bench.goodput_model import Row, Setup, no_capacity, overlap_h
+from bench.goodput import live as goodput_live
+from bench.goodput.model import Row, Setup, no_capacity, overlap_h
 from spotrain.activities import simulated
 from spotrain.activities.simulated import LivePauses, SimulatedCloud, SimulatedRuntime
 from spotrain.workflows.contract import GenerationPlan, LaunchRequest, Member, StopRequest

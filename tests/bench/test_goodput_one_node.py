@@ -15,7 +15,7 @@ import pytest
 
 from bench import goodput
 from bench.common import Trace
-from bench.goodput_harness import RowLog
+from bench.goodput.harness import RowLog
 from tests.bench.test_bench_smoke import write_trace
 
 GAP_S = 900

@@ -1,5 +1,5 @@
 """The goodput benchmark and placement: it bills a ring across zones as the product does
-(bench/goodput_model.py: ring_transfer over workflows/policies/locality.py's rule), for
+(bench/goodput/model.py: ring_transfer over workflows/policies/locality.py's rule), for
 spotrain and the baselines that span zones alike, slows a step of such a ring by the stated
 factor, holds the baselines to one zone when spotrain is (`--placement zone`), and lets the
 fixed job hop between zones as spotrain does."""
@@ -15,7 +15,7 @@ import pytest
 
 from bench.common import Trace
 from bench.goodput import RecordingRuntime
-from bench.goodput_model import (
+from bench.goodput.model import (
     Setup,
     fixed_restart,
     hop_seconds,

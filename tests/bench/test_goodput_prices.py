@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.goodput_args import parse_args
-from bench.goodput_model import all_on_demand, oracle
-from bench.goodput_prices import (
+from bench.goodput.args import parse_args
+from bench.goodput.model import all_on_demand, oracle
+from bench.goodput.prices import (
     PRICES,
     PriceError,
     cloud_of,

@@ -1,4 +1,4 @@
-"""The goodput benchmark's rebalance recommendations (`bench/goodput_rebalance.py`): the
+"""The goodput benchmark's rebalance recommendations (`bench/goodput/rebalance.py`): the
 published sample as default, leads within its range, false ones at the stated share, every
 node recommended once, and the count of what came of them; then one tiny run of the
 benchmark with them, where acting on every warning swaps and the product's rule does not."""
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import goodput, goodput_rebalance
-from bench.goodput_rebalance import Recommendations
+from bench import goodput
+from bench.goodput import rebalance as goodput_rebalance
+from bench.goodput.rebalance import Recommendations
 from tests.bench.test_bench_smoke import TICKS_A, write_trace
 
 

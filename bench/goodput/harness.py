@@ -43,8 +43,8 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from .common import time_skipping_server
-from .goodput_model import Row, Setup
+from ..common import time_skipping_server
+from .model import Row, Setup
 
 RETRIES = 3  # fresh servers a policy's run gets after a wedged one
 STILL_CPU = 0.15  # CPU asked for (used or waited for), in cores, that counts as idle

@@ -10,7 +10,7 @@ simulated cloud (capacity = the trace) and runtime (the progress model) of
 signals `reclaim` with a `--notice-s` deadline (0: `node_lost` at once, no notice) and takes
 the node when the notice runs out. Growth is the workflow's own (its capacity checks). The
 baselines are small pure-Python models over the same trace and progress model
-(`goodput_model.py`); the deadline policies and their sweep are in `deadline_sweep.py`.
+(`model.py`); the deadline policies and their sweep are in `deadline_sweep.py`.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from spotrain.workflows.contract import (
 )
 from spotrain.workflows.job.state import JobResult, JobStatus
 
-from .common import publish, table
-from .goodput_args import parse_args
-from .goodput_harness import RowLog, RunFn, Wedged, check_not_skipped, on_fresh_server
-from .goodput_live import lognormal_boot, measured_live_pauses, shown_path
-from .goodput_model import (
+from ..common import publish, table
+from .args import parse_args
+from .harness import RowLog, RunFn, Wedged, check_not_skipped, on_fresh_server
+from .live import lognormal_boot, measured_live_pauses, shown_path
+from .model import (
     COLUMNS,
     Row,
     Setup,
@@ -65,8 +65,8 @@ from .goodput_model import (
     ring_transfer,
     slowdown,
 )
-from .goodput_prices import price_table
-from .goodput_rebalance import Recommendations
+from .prices import price_table
+from .rebalance import Recommendations
 
 INSTANCE_TYPE = "p3.2xlarge"
 
@@ -141,7 +141,7 @@ class Run:
         """Skip server time to `offset`, a tick at a time: while a sleep skips, the test
         server may skip over a workflow task left pending (after workflow tasks timed out on
         a starved worker), and the task starts only once the sleep ends; one long sleep to
-        the next drop left a 1-node job unseen for hours (`goodput_harness.skipped_over`). A
+        the next drop left a 1-node job unseen for hours (`harness.skipped_over`). A
         sleep the SDK times out (CANCELLED) is retried while server time still moves; the
         test server wedged on a workflow task ("invalid history builder state for action")
         moves it no more: that raises `Wedged`."""
@@ -219,7 +219,7 @@ class Run:
         reclaiming: set[str],
     ) -> None:
         """Recommendations now to the nodes the drop will take (`when`: now, the drop), and
-        false ones to the job's other spot nodes (`goodput_rebalance`)."""
+        false ones to the job's other spot nodes (`rebalance.py`)."""
         assert self.rebalance is not None
         now, drop_at = when
         doomed = self._victims(zone, drop_at, reclaiming)
@@ -566,7 +566,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(setup, rows, args.out / "goodput_world_size.png")
     log.done()
     return report
-
-
-if __name__ == "__main__":
-    main()

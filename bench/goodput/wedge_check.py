@@ -2,7 +2,7 @@
 one after another, optionally beside busy loops (issue 30: "zero silent wedges in 10
 consecutive full runs beside two busy loops").
 
-    .venv/bin/python -m bench.wedge_check [--runs 10] [--busy-loops 2] [--out PATH]
+    .venv/bin/python -m bench.goodput.wedge_check [--runs 10] [--busy-loops 2] [--out PATH]
 
 Each run is a subprocess (`nice -n 0` by default: beside busy loops at 0, `nice -n 10`
 leaves it a tenth of a core; its report in a temporary folder, so the committed
@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, SHARED_TRACES, cpu_s
+from ..common import REPO, SHARED_TRACES, cpu_s
 
 RUN_LIMIT_S = 1800  # a run still going after this is a wedge the harness missed
 ZONES = ("us-east-2b", "us-west-2a", "us-west-2c")
@@ -98,7 +98,9 @@ def one_run(n: int, nice: int, extra: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="bench.wedge_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="bench.goodput.wedge_check", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--busy-loops", type=int, default=2, help="busy loops beside the runs")
     p.add_argument(
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(args.busy_loops)
     ]
     report: dict[str, Any] = {
-        "command": f"python -m bench.wedge_check --runs {args.runs} --busy-loops "
+        "command": f"python -m bench.goodput.wedge_check --runs {args.runs} --busy-loops "
         f"{args.busy_loops}: bench.goodput on the three shared 16-node traces "
         f"({', '.join(ZONES)}), defaults otherwise {args.extra or ''}, nice -n {args.nice}, one "
         f"after another, {args.busy_loops} busy loops (bash 'while :; do :; done') beside",

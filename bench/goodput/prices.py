@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import table
+from ..common import table
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def table_price(path: str | Path) -> NodePrice:
     except KeyError:
         raise PriceError(
             f"{Path(path).name}: no {cloud} {gpu or '(no GPU named)'} price in "
-            f"bench/goodput_prices.py (it has {', '.join(' '.join(k) for k in PRICES)}): "
+            f"bench/goodput/prices.py (it has {', '.join(' '.join(k) for k in PRICES)}): "
             f"give {FLAGS}"
         ) from None
 

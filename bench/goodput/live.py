@@ -15,7 +15,7 @@ from typing import Any
 
 from spotrain.activities.simulated import LivePauses
 
-from .common import REPO
+from ..common import REPO
 
 RESULTS = REPO / "bench" / "results"
 LIVE_KINDS = {"growth": "growth", "shrink on notice": "shrink", "loss without notice": "loss"}

@@ -1,5 +1,5 @@
-"""The goodput benchmark's command line (bench/goodput.py): the setup's numbers, the traces,
-their prices (goodput_prices.py) and which rows to run."""
+"""The goodput benchmark's command line (bench/goodput/): the setup's numbers, the traces,
+their prices (prices.py) and which rows to run."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from .common import DEFAULT_TRACE, REPO, SHARED_TRACES, load_traces
-from .goodput_model import Setup
-from .goodput_prices import PriceError, one_price, trace_price, with_zone
+from ..common import DEFAULT_TRACE, REPO, SHARED_TRACES, load_traces
+from .model import Setup
+from .prices import PriceError, one_price, trace_price, with_zone
 
 
 def parse_args(argv: list[str] | None, description: str) -> tuple[Setup, argparse.Namespace]:
@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None, description: str) -> tuple[Setup, argpars
             default=None,
             metavar="USD",
             help=f"USD per {what} node-hour, for every trace (default: each trace's cloud's "
-            "price, by its file name: aws or gcp, and its GPU; the table in goodput_prices.py)",
+            "price, by its file name: aws or gcp, and its GPU; the table in "
+            "bench/goodput/prices.py)",
         )
     p.add_argument(
         "--resize",

@@ -1,6 +1,6 @@
 """The goodput benchmark's setup (trace, job, progress model, prices), its result rows and
 their plot, and the baselines: small pure-Python models over the same trace, progress model,
-restart cost and lost-work rule as spotrain's runs (bench/goodput.py)."""
+restart cost and lost-work rule as spotrain's runs (bench/goodput/)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 
 from spotrain.workflows.policies.locality import ring_crossing
 
-from .common import REPO, Trace
-from .goodput_rebalance import FP_RATE, LEAD_MAX_S, LEAD_MIN_S
+from ..common import REPO, Trace
+from .rebalance import FP_RATE, LEAD_MAX_S, LEAD_MIN_S
 
 Series = list[tuple[float, int]]  # (hours since start, world size) at each change
 
@@ -58,7 +58,7 @@ class Setup:
     rebalance_lead_max_s: float = LEAD_MAX_S  # ... to 8 h 42 min (the published sample)
     max_surge_nodes: int = 1  # make-before-break rows: the overlap may exceed max_nodes by this
     # USD per node-hour (AWS p3.2xlarge's); the command line sets both from the traces'
-    # cloud and GPU (goodput_prices.py) or its --spot-price / --on-demand-price
+    # cloud and GPU (prices.py) or its --spot-price / --on-demand-price
     spot_price: float = 0.9701
     on_demand_price: float = 3.06
     deadline_h: float | None = None

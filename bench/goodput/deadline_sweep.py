@@ -4,7 +4,7 @@ same trace and work, over a sweep of deadlines (multiples of the all-on-demand t
 
     .venv/bin/python -m bench.goodput --deadline-factors 1.1,1.25,1.5,2 [...]
 
-Both run the real TrainingJob workflow on the time-skipping server (see bench/goodput.py).
+Both run the real TrainingJob workflow on the time-skipping server (see bench/goodput/).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from spotrain.activities.simulated import SimJob
 from spotrain.workflows.job.state import JobStatus
 
-from .goodput import Row, RunFn, Setup, job_spec, new_run, on_fresh_server, spotrain
+from . import Row, RunFn, Setup, job_spec, new_run, on_fresh_server, spotrain
 
 SWEEP_COLUMNS = [
     "factor",
