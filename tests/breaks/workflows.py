@@ -395,8 +395,8 @@ PLACEMENT_BREAKS = [
     Break(
         "a hop only below min_nodes",
         LO,
-        'if placement == "any" or home is None or held >= min_nodes or state_in_memory:',
-        'if placement == "any" or home is None or state_in_memory:',
+        "    if not can or max(can.values()) <= at_home:",
+        "    if not can:",
         PLC("test_a_job_hops_only_when_its_zone_cannot_give_it_min_nodes_and_another_can"),
     ),
     Break(

@@ -162,18 +162,16 @@ def hop_to(
     state they cannot make up the rest (`gives`), and another can give more. Not while held
     down (`Market.held_down`), and not while parked ranks hold the state (leaving would
     throw it away)."""
-    if placement == "any" or home is None or held >= min_nodes or state_in_memory:
-        return None
-    if market.held_down:
+    if placement == "any" or home is None or state_in_memory or market.held_down:
         return None
     regions = market.regions
     here = unit_of(home, placement, regions)
     home_offers = fresh(placed(market.offers, placement, home, regions), market.dry, market.now)
-    at_home = held + gives(home_offers, min_nodes - held).nodes
-    if at_home >= min_nodes:
-        return None  # home still offers (all it needs, where its pools say): wait for it
+    at_home = held + gives(home_offers, max(min_nodes - held, 0)).nodes
     away = [o for o in market.offered if o.zone and unit_of(o.zone, placement, regions) != here]
     can = {z: gives([o for o in away if o.zone == z], min_nodes).nodes for z in zones(away)}
+    # Zones count up to min_nodes: a job that holds them, or whose home offers what it
+    # lacks (where its pools say so), waits.
     if not can or max(can.values()) <= at_home:
         return None
     to = min((z for z in can if can[z] == max(can.values())), key=lambda z: _zone_rank(z, away))
