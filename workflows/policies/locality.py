@@ -13,8 +13,7 @@ offering nothing for `DRY_FOR`. It hops at most once per `HOP_HOLD_DOWN`, so a
 flickering market cannot make it flap, and never while ranks hold its state in memory.
 A job that can train hops too, when another zone pays for the move (`hop_for_gain`), for the
 nodes that zone can give (`gives`: its pools' stated capacity where the provider states it),
-and
-a job spread over zones gathers in one when that pays (`gather_to`): both weigh the move
+and a job spread over zones gathers in one when that pays (`gather_to`): both weigh the move
 the same way (`weigh_move`): what the job's nodes yield an hour here and there, valued at
 the on-demand price, over `HOP_HORIZON`, against the time the move trains nothing, with a
 minimum gain (`HOP_MIN_GAIN`) and the same hold-down.
